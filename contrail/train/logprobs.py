@@ -1,0 +1,236 @@
+"""Per-token log-probabilities and entropies without a full log-softmax.
+
+A policy-gradient step needs ``log π(y_t | y_<t)`` of each sampled token, not
+the whole ``(batch, tokens, vocab)`` log-softmax. Since
+``log_softmax(x)_y = x_y - logsumexp(x)``, we gather one logit per row and
+subtract a logsumexp computed a chunk of rows at a time, in fp32 even when the
+logits are bf16 (bf16's 8-bit mantissa makes a logsumexp over ~50k entries
+drift by whole hundredths of a nat).
+
+Both functions are ``torch.autograd.Function`` s that keep only the input
+logits and one number per row for the backward pass, and recompute the
+softmax chunk by chunk there. Plain autograd would save an fp32 copy of every
+chunk, i.e. the very full-vocabulary tensor this module exists to avoid.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "selective_logprobs", "sequence_logprobs", "token_entropy"]
+
+# Rows per chunk: 512 rows × 49k vocabulary × 4 bytes ≈ 100 MB of fp32 scratch.
+DEFAULT_CHUNK_SIZE = 512
+
+
+def selective_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """``log_softmax(logits, -1).gather(-1, targets)``, chunked and in fp32.
+
+    ``log p(y) = x_y - logsumexp(x)`` per row (the identity TRL's
+    ``selective_log_softmax`` uses), with the logsumexp taken over
+    ``chunk_size`` rows at a time after upcasting them to fp32.
+
+    Args:
+        logits: ``(..., vocab)`` float tensor (fp32, bf16, fp16 or fp64).
+        targets: ``(...)`` integer ids in ``[0, vocab)``.
+        chunk_size: rows processed together.
+
+    Returns:
+        ``(...)`` log-probs, fp32 (fp64 for fp64 logits); differentiable with
+        respect to ``logits``.
+    """
+    _check_logits(logits, chunk_size)
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}"
+        )
+    if torch.is_floating_point(targets) or targets.dtype == torch.bool:
+        raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+    vocab = logits.shape[-1]
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        raise ValueError(f"targets must lie in [0, {vocab}), got values in [{int(targets.min())}, {int(targets.max())}]")
+    flat = logits.reshape(-1, vocab)
+    out = _SelectiveLogprobs.apply(flat, targets.reshape(-1).long(), chunk_size)
+    return out.reshape(targets.shape)
+
+
+def token_entropy(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """Entropy ``H = -Σ_v p_v log p_v`` of each row's softmax, chunked, in fp32.
+
+    Computed as ``H = logsumexp(x) - Σ_v p_v x_v`` (substitute
+    ``log p_v = x_v - logsumexp(x)``), which needs no log-softmax tensor.
+
+    Args:
+        logits: ``(..., vocab)`` float tensor.
+        chunk_size: rows processed together.
+
+    Returns:
+        ``(...)`` entropies in nats, fp32 (fp64 for fp64 logits); differentiable.
+    """
+    _check_logits(logits, chunk_size)
+    vocab = logits.shape[-1]
+    out = _TokenEntropy.apply(logits.reshape(-1, vocab), chunk_size)
+    return out.reshape(logits.shape[:-1])
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    start: int | None = None,
+    return_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of every token of ``input_ids`` under a causal LM, one forward pass.
+
+    Alignment: the result has the shape of ``input_ids`` (``(batch, L)``) and
+    **position t holds log p(input_ids[:, t] | input_ids[:, :t])**, the
+    log-prob of token t itself, computed from the logits at position t - 1.
+    So it lines up with ``input_ids`` and with a mask that is 1 on generated
+    tokens: ``(logprobs * mask)`` selects exactly the generated tokens'
+    log-probs. Position 0 has no predecessor and holds 0.
+
+    Positions are also 0 where the token or its predecessor is padding
+    (``attention_mask == 0``), and before ``start``. Position ids are derived
+    from ``attention_mask`` as ``generate`` does, so a left-padded row scores
+    the same as the row without its padding.
+
+    Args:
+        model: a causal LM whose forward returns ``.logits`` ``(batch, L, vocab)``.
+        input_ids: ``(batch, L)`` token ids.
+        attention_mask: ``(batch, L)`` 1 on real tokens; ``None`` means all real.
+        start: first position whose log-prob is wanted (e.g. the prompt
+            length); logits for earlier positions are not even computed when
+            the model accepts ``logits_to_keep``. ``None`` means 1.
+        return_entropy: also return, at position t, the entropy of the
+            distribution that token t was drawn from (same alignment).
+        chunk_size: rows per chunk for the log-softmax.
+
+    Returns:
+        ``logprobs`` ``(batch, L)`` fp32, or ``(logprobs, entropies)``.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be (batch, length), got shape {tuple(input_ids.shape)}")
+    batch, length = input_ids.shape
+    if length < 2:
+        raise ValueError(f"need at least 2 tokens to score one (position 0 has no predecessor), got length {length}")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    if tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(input_ids.shape)}")
+    # Position 0 is always 0 (nothing predicts it), so start=0 means start=1.
+    start = 1 if start is None or start == 0 else int(start)
+    if not 1 <= start <= length - 1:
+        raise ValueError(f"start must be in [0, {length - 1}] for length {length}, got {start}")
+
+    # Same position ids as generation with left padding (cumsum of the mask).
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    keep = length - start + 1  # logits at positions start-1 .. L-1; the last predicts nothing
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kwargs["logits_to_keep"] = keep
+    logits = model(**kwargs).logits[:, -keep:-1]  # (batch, L - start, vocab) predicting tokens start..L-1
+
+    targets = input_ids[:, start:]
+    # A token counts only if both it and the token predicting it are real.
+    valid = attention_mask[:, start:].bool() & attention_mask[:, start - 1 : -1].bool()
+    logprobs = selective_logprobs(logits, targets, chunk_size)
+    logprobs = _place(logprobs, valid, start, length)
+    if not return_entropy:
+        return logprobs
+    entropies = _place(token_entropy(logits, chunk_size), valid, start, length)
+    return logprobs, entropies
+
+
+def _place(values: torch.Tensor, valid: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """Zero invalid entries and left-pad with ``start`` zero columns to length ``length``."""
+    values = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+    pad = values.new_zeros(values.shape[0], start)
+    out = torch.cat([pad, values], dim=1)
+    assert out.shape[1] == length
+    return out
+
+
+def _check_logits(logits: torch.Tensor, chunk_size: int) -> None:
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1 or not torch.is_floating_point(logits):
+        raise ValueError("logits must be a floating tensor shaped (..., vocab)")
+    if logits.shape[-1] == 0:
+        raise ValueError("logits have an empty vocabulary dimension")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _SelectiveLogprobs(torch.autograd.Function):
+    """``x[y] - logsumexp(x)`` per row; backward ``g·(onehot(y) - softmax(x))``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        dtype = _compute_dtype(logits.dtype)
+        lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        for rows in _chunks(logits.shape[0], chunk_size):
+            lse[rows] = torch.logsumexp(logits[rows].to(dtype), dim=-1)
+        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).to(dtype)
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.chunk_size = chunk_size
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for rows in _chunks(logits.shape[0], ctx.chunk_size):
+            g = grad_out[rows].to(lse.dtype).unsqueeze(-1)
+            softmax = torch.exp(logits[rows].to(lse.dtype) - lse[rows].unsqueeze(-1))
+            chunk = -g * softmax
+            chunk.scatter_add_(-1, targets[rows].unsqueeze(-1), g)
+            grad[rows] = chunk.to(logits.dtype)
+        return grad, None, None
+
+
+class _TokenEntropy(torch.autograd.Function):
+    """``lse(x) - Σ p x`` per row; backward ``-g·p·(x - Σ p x)``."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, chunk_size: int) -> torch.Tensor:
+        dtype = _compute_dtype(logits.dtype)
+        lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
+        expected = torch.empty_like(lse)  # Σ_v p_v x_v, kept for the backward pass
+        for rows in _chunks(logits.shape[0], chunk_size):
+            x = logits[rows].to(dtype)
+            lse[rows] = torch.logsumexp(x, dim=-1)
+            p = torch.exp(x - lse[rows].unsqueeze(-1))
+            expected[rows] = _p_times(p, x).sum(-1)
+        ctx.save_for_backward(logits, lse, expected)
+        ctx.chunk_size = chunk_size
+        return lse - expected
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, lse, expected = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for rows in _chunks(logits.shape[0], ctx.chunk_size):
+            x = logits[rows].to(lse.dtype)
+            p = torch.exp(x - lse[rows].unsqueeze(-1))
+            # dH/dx_k = -p_k (x_k - Σ_v p_v x_v)
+            chunk = -grad_out[rows].to(lse.dtype).unsqueeze(-1) * _p_times(p, x - expected[rows].unsqueeze(-1))
+            grad[rows] = chunk.to(logits.dtype)
+        return grad, None
+
+
+def _p_times(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``p * x`` with 0 where ``p == 0``: a -inf logit (a banned token) has
+    probability 0 and must contribute 0, not ``0 * -inf = NaN``."""
+    return torch.where(p > 0, p * x, torch.zeros((), dtype=p.dtype, device=p.device))
+
+
+def _chunks(n: int, size: int):
+    for begin in range(0, n, size):
+        yield slice(begin, min(begin + size, n))

@@ -1,0 +1,180 @@
+"""Chunked log-probs and entropies against the plain full log-softmax."""
+
+import math
+
+import pytest
+import torch
+
+from contrail.train.logprobs import selective_logprobs, sequence_logprobs, token_entropy
+
+
+def reference_logprobs(logits, targets):
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def reference_entropy(logits):
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def random_batch(shape=(3, 7), vocab=50, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*shape, vocab, generator=g) * scale
+    targets = torch.randint(0, vocab, shape, generator=g)
+    return logits, targets
+
+
+def test_hand_computed_values():
+    logits = torch.tensor([[0.0, 0.0], [math.log(3.0), 0.0]])
+    # softmax rows: (1/2, 1/2) and (3/4, 1/4)
+    out = selective_logprobs(logits, torch.tensor([1, 1]))
+    torch.testing.assert_close(out, torch.tensor([math.log(0.5), math.log(0.25)]))
+    entropy = token_entropy(logits)
+    h = -(0.75 * math.log(0.75) + 0.25 * math.log(0.25))
+    torch.testing.assert_close(entropy, torch.tensor([math.log(2.0), h]))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 5, 21, 1000])
+def test_selective_logprobs_match_full_log_softmax(chunk_size):
+    logits, targets = random_batch()
+    out = selective_logprobs(logits, targets, chunk_size=chunk_size)
+    assert out.shape == targets.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, reference_logprobs(logits, targets), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1000])
+def test_token_entropy_matches_full_softmax(chunk_size):
+    logits, _ = random_batch()
+    out = token_entropy(logits, chunk_size=chunk_size)
+    assert out.shape == logits.shape[:-1]
+    torch.testing.assert_close(out, reference_entropy(logits), rtol=0, atol=1e-5)
+
+
+def test_gradients_match_full_log_softmax():
+    logits, targets = random_batch(seed=1)
+    weights = torch.randn(targets.shape, generator=torch.Generator().manual_seed(2))
+
+    mine = logits.clone().requires_grad_()
+    ref = logits.clone().requires_grad_()
+    (selective_logprobs(mine, targets, chunk_size=4) * weights).sum().backward()
+    (reference_logprobs(ref, targets) * weights).sum().backward()
+    torch.testing.assert_close(mine.grad, ref.grad, rtol=0, atol=1e-6)
+
+    mine.grad, ref.grad = None, None
+    (token_entropy(mine, chunk_size=4) * weights).sum().backward()
+    (reference_entropy(ref) * weights).sum().backward()
+    torch.testing.assert_close(mine.grad, ref.grad, rtol=0, atol=1e-5)
+
+
+def test_gradcheck_float64():
+    logits, targets = random_batch(shape=(2, 3), vocab=6, seed=3, scale=1.0)
+    logits = logits.double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: selective_logprobs(x, targets, chunk_size=2), (logits,))
+    assert torch.autograd.gradcheck(lambda x: token_entropy(x, chunk_size=4), (logits,))
+
+
+def test_bf16_upcasts_to_fp32():
+    logits, targets = random_batch(vocab=5000, scale=5.0)
+    low = logits.bfloat16()
+    out = selective_logprobs(low, targets, chunk_size=8)
+    assert out.dtype == torch.float32
+    # exact fp32 log-softmax of the same bf16 values: only summation order differs
+    torch.testing.assert_close(out, reference_logprobs(low, targets), rtol=0, atol=1e-4)
+    # and within bf16 rounding of the fp32 logits themselves
+    torch.testing.assert_close(out, reference_logprobs(logits, targets), rtol=0, atol=0.1)
+    torch.testing.assert_close(token_entropy(low, chunk_size=8), reference_entropy(low), rtol=0, atol=1e-4)
+
+    mine, ref = low.clone().requires_grad_(), low.clone().requires_grad_()
+    selective_logprobs(mine, targets, chunk_size=8).sum().backward()
+    reference_logprobs(ref, targets).sum().backward()
+    assert mine.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(mine.grad.float(), ref.grad.float(), rtol=1e-2, atol=1e-3)
+
+
+def test_banned_tokens_with_minus_inf_logits():
+    logits = torch.tensor([[0.0, 0.0, float("-inf")]], requires_grad=True)
+    out = selective_logprobs(logits, torch.tensor([0]))
+    h = token_entropy(logits)
+    torch.testing.assert_close(out, torch.tensor([math.log(0.5)]))
+    torch.testing.assert_close(h, torch.tensor([math.log(2.0)]))
+    (out + h).sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_bad_inputs():
+    logits, targets = random_batch()
+    with pytest.raises(ValueError, match="targets must have shape"):
+        selective_logprobs(logits, targets[:, :3])
+    with pytest.raises(ValueError, match="integer token ids"):
+        selective_logprobs(logits, targets.float())
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 50\)"):
+        selective_logprobs(logits, targets + 50)
+    with pytest.raises(ValueError, match="chunk_size"):
+        selective_logprobs(logits, targets, chunk_size=0)
+    with pytest.raises(ValueError, match="floating"):
+        token_entropy(targets)
+
+
+# ---------------------------------------------------------------- sequence_logprobs on a tiny Llama
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    return model
+
+
+def test_sequence_logprobs_alignment(tiny_llama):
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(4))
+    logprobs, entropies = sequence_logprobs(tiny_llama, ids, torch.ones_like(ids), return_entropy=True)
+    with torch.no_grad():
+        full = torch.log_softmax(tiny_llama(input_ids=ids).logits.float(), dim=-1)
+    assert logprobs.shape == ids.shape
+    assert torch.all(logprobs[:, 0] == 0) and torch.all(entropies[:, 0] == 0)
+    for t in range(1, ids.shape[1]):  # position t: logits at t-1, token t
+        expected = full[torch.arange(2), t - 1, ids[:, t]]
+        torch.testing.assert_close(logprobs[:, t], expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(entropies[:, t], -(full[:, t - 1].exp() * full[:, t - 1]).sum(-1), rtol=0, atol=1e-5)
+
+
+def test_sequence_logprobs_start_and_gradients(tiny_llama):
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5))
+    everything = sequence_logprobs(tiny_llama, ids)
+    tail = sequence_logprobs(tiny_llama, ids, start=5)
+    assert torch.all(tail[:, :5] == 0)
+    torch.testing.assert_close(tail[:, 5:], everything[:, 5:], rtol=0, atol=1e-5)
+    tail.sum().backward()
+    grads = [p.grad for p in tiny_llama.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert tiny_llama.lm_head.weight.grad.abs().sum() > 0
+    tiny_llama.zero_grad(set_to_none=True)
+    with pytest.raises(ValueError, match="start"):
+        sequence_logprobs(tiny_llama, ids, start=8)
+
+
+def test_sequence_logprobs_padding_does_not_change_values(tiny_llama):
+    g = torch.Generator().manual_seed(6)
+    short = torch.randint(1, 128, (1, 5), generator=g)
+    alone = sequence_logprobs(tiny_llama, short)
+    pad = torch.zeros(1, 3, dtype=torch.long)
+    ones, zeros = torch.ones(1, 5, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long)
+
+    right = sequence_logprobs(tiny_llama, torch.cat([short, pad], 1), torch.cat([ones, zeros], 1))
+    torch.testing.assert_close(right[:, :5], alone, rtol=0, atol=1e-5)
+    assert torch.all(right[:, 5:] == 0)
+
+    left = sequence_logprobs(tiny_llama, torch.cat([pad, short], 1), torch.cat([zeros, ones], 1))
+    # first real token has no real predecessor: 0, like position 0 of `alone`
+    torch.testing.assert_close(left[:, 3:], alone, rtol=0, atol=1e-5)
+    assert torch.all(left[:, :4] == 0)
