@@ -91,7 +91,8 @@ def test_everything_held_out_leaves_only_heldout_gain():
     R = np.array([[0.2, 0.4], [0.5, 0.3]])
     result = summarize(R, [None, None])
     assert result["heldout_gain"] == pytest.approx(0.1)
-    assert all(math.isnan(result[k]) for k in ("final_performance", "backward_transfer", "forgetting", "forward_transfer"))
+    undefined = ("final_performance", "backward_transfer", "forgetting", "forward_transfer")
+    assert all(math.isnan(result[k]) for k in undefined)
 
 
 def test_summarize_and_per_experience():

@@ -93,7 +93,9 @@ def policy_loss(
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError(f"beta={beta} needs ref_logprobs (the reference policy's log-probs); pass them or set beta=0")
     if entropy_coef != 0.0 and entropy is None:
-        raise ValueError(f"entropy_coef={entropy_coef} needs the per-token entropy; pass entropy= or set entropy_coef=0")
+        raise ValueError(
+            f"entropy_coef={entropy_coef} needs the per-token entropy; pass entropy= or set entropy_coef=0"
+        )
 
     m = mask.bool()
     dtype = torch.promote_types(logprobs.dtype, torch.float32)  # ratios in bf16 are too coarse
@@ -202,7 +204,8 @@ def _check_inputs(logprobs, old_logprobs, advantages, mask, ref_logprobs, entrop
     if not torch.is_floating_point(logprobs):
         raise ValueError(f"logprobs must be a floating tensor, got {logprobs.dtype}")
     shape = tuple(logprobs.shape)
-    for name, x in (("old_logprobs", old_logprobs), ("mask", mask), ("ref_logprobs", ref_logprobs), ("entropy", entropy)):
+    others = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs, "entropy": entropy}
+    for name, x in others.items():
         if x is not None and tuple(x.shape) != shape:
             raise ValueError(f"{name} has shape {tuple(x.shape)} but logprobs has {shape}; they must match")
     if tuple(advantages.shape) != shape[:1]:

@@ -52,7 +52,8 @@ def selective_logprobs(
         raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
     vocab = logits.shape[-1]
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-        raise ValueError(f"targets must lie in [0, {vocab}), got values in [{int(targets.min())}, {int(targets.max())}]")
+        low, high = int(targets.min()), int(targets.max())
+        raise ValueError(f"targets must lie in [0, {vocab}), got values in [{low}, {high}]")
     flat = logits.reshape(-1, vocab)
     out = _SelectiveLogprobs.apply(flat, targets.reshape(-1).long(), chunk_size)
     return out.reshape(targets.shape)
