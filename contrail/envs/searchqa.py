@@ -32,7 +32,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -65,13 +65,18 @@ class KnowledgeSource:
     retriever: Retriever
     answer_pool: list[str]  # what a random agent may answer: entity names or passage titles
     build_seconds: float
+    _tasks: dict[tuple[str, str | None], list[Task]] = field(default_factory=dict, repr=False)
 
     def tasks(self, split: str, difficulty: str | None) -> list[Task]:
-        return [
-            Task(env="searchqa", id=index, split=question.split, difficulty=question.difficulty)
-            for index, question in enumerate(self.questions)
-            if question.split == split and difficulty in (None, question.difficulty)
-        ]
+        """The tasks of ``split`` (and ``difficulty``), in id order; a fresh list each call."""
+        key = (split, difficulty)
+        if key not in self._tasks:
+            self._tasks[key] = [
+                Task(env="searchqa", id=index, split=question.split, difficulty=question.difficulty)
+                for index, question in enumerate(self.questions)
+                if question.split == split and difficulty in (None, question.difficulty)
+            ]
+        return list(self._tasks[key])
 
 
 _SOURCES: dict[tuple, KnowledgeSource] = {}
