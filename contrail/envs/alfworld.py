@@ -225,7 +225,7 @@ class AlfWorld(Env):
     """ALFWorld's six household task types on the real engine.
 
     Options: ``game_files`` (``{"train": [...], "test": [...]}`` of real
-    ``game.tw-pddl`` paths) or ``game_dir`` (ALFWorld's ``json_2.1.1`` folder:
+    ``game.tw-pddl`` paths; a plain list is a test set) or ``game_dir`` (ALFWorld's ``json_2.1.1`` folder:
     ``train/`` trains, the ``valid_*`` folders test); without either, games
     are generated and cached under ``cache_dir`` (default
     ``$CONTRAIL_ALFWORLD_CACHE`` or ``~/.cache/contrail/alfworld``).
@@ -238,11 +238,13 @@ class AlfWorld(Env):
     def __init__(
         self,
         max_turns: int | None = None,
-        game_files: Mapping[str, Sequence[str]] | None = None,
+        game_files: Mapping[str, Sequence[str]] | Sequence[str] | None = None,
         game_dir: str | None = None,
         cache_dir: str | None = None,
     ) -> None:
         super().__init__(max_turns)
+        if game_files is not None and not isinstance(game_files, Mapping):
+            game_files = {"train": [], "test": list(game_files)}  # real games to evaluate on
         frozen = None if game_files is None else tuple((s, tuple(map(str, p))) for s, p in sorted(game_files.items()))
         self._catalogue = _catalogue(frozen, str(game_dir) if game_dir else None, str(cache_dir) if cache_dir else None)
         self._engine = None
@@ -285,8 +287,8 @@ class AlfWorld(Env):
         try:
             self._engine.load(entry.path)
             self._state = self._engine.reset()
-            self._goal = parse_goal(self._engine._game_data["pddl_problem"])
-        except Exception as error:  # an engine failure fails this episode, not the run
+            self._goal = parse_goal(self._engine.game["pddl_problem"])
+        except (Exception, SystemExit) as error:  # fast-downward exits on a bad problem
             return self._fail_at_reset(error)
         return first_observation(self._state.feedback, self._state["admissible_commands"])
 
@@ -304,7 +306,7 @@ class AlfWorld(Env):
             return Step(NOTHING_HAPPENED, reward=0.0, done=False, valid=False)
         try:
             self._state, _, _ = self._engine.step(command)
-        except Exception as error:  # an engine failure fails this episode, not the run
+        except (Exception, SystemExit) as error:  # an engine failure fails this episode, not the run
             logger.warning("alfworld engine failed on %r: %s", command, error)
             self._discard_engine()
             return self._failed(f"{type(error).__name__}: {error}")
@@ -349,7 +351,7 @@ class AlfWorld(Env):
             self._release.detach()
         self._engine = self._release = None
 
-    def _fail_at_reset(self, error: Exception) -> str:
+    def _fail_at_reset(self, error: BaseException) -> str:
         logger.warning("alfworld engine failed to start task %s: %s", self._task, error)
         self._discard_engine()
         self._error = f"{type(error).__name__}: {error}"

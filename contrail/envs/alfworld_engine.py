@@ -151,6 +151,11 @@ class _TranslatedPddlEnv(PddlEnv):
         self._pddl_state = _TranslatedState(self.downward_lib, self._translation)
         self._entity_infos = self._get_entity_infos()
 
+    @property
+    def game(self) -> dict:
+        """The loaded game's data (domain, grammar, problem, ...)."""
+        return self._game_data
+
     def reset(self) -> GameState:
         self._pddl_state = _TranslatedState(self.downward_lib, self._translation)
         self.prev_state = None

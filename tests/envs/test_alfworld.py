@@ -274,3 +274,19 @@ def test_real_game_files_load_through_the_same_class(tmp_path):
     listed = make("alfworld", game_files={"train": [], "test": [str(p) for p in tmp_path.rglob("valid_unseen/**/game.tw-pddl")]})
     assert [t.id for t in listed.tasks("test")] == [t.id for t in test]
     assert isinstance(listed.tasks("test")[0], Task)
+
+
+def test_a_game_that_cannot_start_fails_its_episode(tmp_path, cache_dir):
+    broken = tmp_path / "valid_unseen" / "pick_and_place_simple-Apple-None-Fridge-1" / "trial_T1" / "game.tw-pddl"
+    broken.parent.mkdir(parents=True)
+    game = games.generate_game(games.game_spec("pick_and_place_simple", "test", 0))
+    # A duplicate object: fast-downward's translator reports it and calls sys.exit.
+    problem = game["pddl_problem"].replace("agent1 - agent", "agent1 - agent\n        agent1 - agent")
+    broken.write_text(json.dumps({**game, "pddl_problem": problem}))
+    real = make("alfworld", game_files=[str(broken)])
+    task = real.tasks("test")[0]
+    assert "could not be started" in real.reset(task)
+    step = real.step("Action: look")
+    assert step.done and step.reward == 0.0 and "error" in step.info
+    healthy = make("alfworld", cache_dir=cache_dir)
+    assert healthy.reset(healthy.tasks("test")[0]).startswith("You are in the middle of a room.")
