@@ -290,3 +290,20 @@ def test_a_game_that_cannot_start_fails_its_episode(tmp_path, cache_dir):
     assert step.done and step.reward == 0.0 and "error" in step.info
     healthy = make("alfworld", cache_dir=cache_dir)
     assert healthy.reset(healthy.tasks("test")[0]).startswith("You are in the middle of a room.")
+
+
+def test_interleaved_episodes_of_one_game_do_not_interfere(cache_dir, one_task_per_type):
+    """A GRPO group plays one game in many live episodes, stepped in turn."""
+    task = one_task_per_type["pick_two_obj_and_place"]
+    group = [make("alfworld", cache_dir=cache_dir) for _ in range(2)]
+    first = [each.reset(task) for each in group]
+    assert first[0] == first[1]
+    group[1].step(group[1].random_action(random.Random(0)))  # the second episode takes a detour
+    results = [None, None]
+    for _ in range(group[0].max_turns):
+        for i, each in enumerate(group):
+            if results[i] is None:
+                step = each.step(each.expert())
+                if step.done:
+                    results[i] = step.success
+    assert results == [True, True]
