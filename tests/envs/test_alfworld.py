@@ -129,6 +129,9 @@ def test_last_action_line_is_used(env, one_task_per_type):
     env.reset(one_task_per_type["pick_and_place_simple"])
     expert = last_action(env.expert())
     assert env.step(f"Action: fly away\nThought: no.\nAction: {expert}").valid
+    # The layout AgentGym's instruction asks for: each field's content on its own line.
+    following = last_action(env.expert())
+    assert env.step(f"Thought:\nI know where to go.\n\nAction:\n{following}").valid
 
 
 # --- actions ---------------------------------------------------------------------------
