@@ -122,7 +122,8 @@ def _build_source(seed, corpus_path, questions_path, retriever, cache_dir) -> Kn
 
 _FIRST_SEARCH = ("I need to find out {need}.", "To answer this, I first need to find out {need}.",
                  "The question depends on {need}. Let me look that up.")
-_NEXT_SEARCH = ("{Fact}. Now I need to find out {need}.", "The results show that {fact}. Next I need to find out {need}.",
+_NEXT_SEARCH = ("{Fact}. Now I need to find out {need}.",
+                "The results show that {fact}. Next I need to find out {need}.",
                 "So {fact}. Let me now look up {need}.")
 _RETRY_SEARCH = ("The results did not include the passage about {subject}. Let me search for it again.",
                  "None of these documents is about {subject}. I will try another query.")
