@@ -17,6 +17,7 @@ alfworld 0.3.3's grammar (``put X in/on Y``) or 0.4's (``move X to Y``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -115,8 +116,6 @@ def _file_entry(path: str) -> _GameEntry | None:
 
     if "movable" in path or "Sliced" in path:
         return None
-    import json
-
     with open(path) as handle:
         game = json.load(handle)
     if game.get("solvable") is False:
@@ -220,6 +219,15 @@ def _thought(move, rng: random.Random) -> str:
     return text[0].upper() + text[1:]
 
 
+def _require_engine() -> None:
+    try:
+        import alfworld.info  # noqa: F401
+        import fast_downward  # noqa: F401
+        import textworld  # noqa: F401
+    except ImportError as error:
+        raise ImportError(f"the alfworld environment needs the extra: pip install 'contrail[alfworld]' ({error})") from error
+
+
 @register("alfworld")
 class AlfWorld(Env):
     """ALFWorld's six household task types on the real engine.
@@ -243,6 +251,7 @@ class AlfWorld(Env):
         cache_dir: str | None = None,
     ) -> None:
         super().__init__(max_turns)
+        _require_engine()
         if game_files is not None and not isinstance(game_files, Mapping):
             game_files = {"train": [], "test": list(game_files)}  # real games to evaluate on
         frozen = None if game_files is None else tuple((s, tuple(map(str, p))) for s, p in sorted(game_files.items()))
@@ -300,9 +309,8 @@ class AlfWorld(Env):
         self._turn += 1
         if self._error is not None:
             return self._failed(self._error)
-        action = last_action(text)
-        command = to_engine(action) if action else None
-        if command not in self._state["admissible_commands"]:
+        command = self._admissible(last_action(text))
+        if command is None:
             return Step(NOTHING_HAPPENED, reward=0.0, done=False, valid=False)
         try:
             self._state, _, _ = self._engine.step(command)
@@ -315,6 +323,15 @@ class AlfWorld(Env):
             self._done = True
             self.close()
         return Step(feedback(self._state.feedback), reward=1.0 if won else 0.0, done=won, success=won)
+
+    def _admissible(self, action: str | None) -> str | None:
+        """The engine command ``action`` names, in whichever put/move grammar the game's own grammar uses."""
+        if not action:
+            return None
+        command = to_engine(action)
+        admissible = self._state["admissible_commands"]
+        # Games written for alfworld 0.3.3 carry its grammar (put X in/on Y); 0.4's say move X to Y.
+        return next((form for form in (command, to_agentgym(command)) if form in admissible), None)
 
     def expert(self) -> str:
         from contrail.envs.alfworld_expert import World, next_move

@@ -310,3 +310,15 @@ def test_interleaved_episodes_of_one_game_do_not_interfere(cache_dir, one_task_p
                 if step.done:
                     results[i] = step.success
     assert results == [True, True]
+
+
+def test_games_in_the_0_3_3_grammar_accept_both_forms(tmp_path):
+    """Real games written for alfworld 0.3.3 carry a grammar whose put command is ``put X in/on Y``."""
+    game = games.generate_game(games.game_spec("pick_and_place_simple", "test", 1))
+    old_grammar = game["grammar"].replace('template :: "move {o} to {r}"', 'template :: "put {o} in/on {r}"')
+    assert old_grammar != game["grammar"]
+    path = tmp_path / "game.tw-pddl"
+    path.write_text(json.dumps({**game, "grammar": old_grammar}))
+    for rewrite in (lambda a: a, lambda a: re.sub(r"^put (.+) in/on (.+)$", r"move \1 to \2", a)):
+        old = make("alfworld", game_files=[str(path)])
+        assert play_expert(old, old.tasks("test")[0], rewrite)[-1].success
