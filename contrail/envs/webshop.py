@@ -1,4 +1,4 @@
-"""WebShop: shop a generated catalogue by search and click; graded reward on purchase.
+r"""WebShop: shop a generated catalogue by search and click; graded reward on purchase.
 
 The interface is AgentGym's WebShop (``agentenv-webshop``, WebShop's text
 mode): the model reads ``[SEP]``-joined pages (``webshop_pages``) whose only
@@ -12,12 +12,15 @@ format::
     search[keywords]        (only on the search page)
     click[value]            (a value shown on the current page, any case)
 
-The action is read from the text after the last ``Action:`` (or the whole
-output when there is none); its first non-empty line must be exactly
-``search[...]`` or ``click[...]``. Anything else, a search off the search
-page, or a click on something the page does not show leaves the page
-unchanged: the same page comes back with reward 0 and ``valid=False``, as
-WebShop "performs nothing". No text ever raises.
+The action is read as AgentGym and WebShop read it: the text after the last
+``Action:`` (or the whole output when there is none), whose first non-empty
+line must start with ``<verb>[<argument>]`` (WebShop's greedy
+``(.+)\[(.+)\]``, so text after the closing bracket is ignored, and
+``click[a] or click[b]`` is no action). The verb is ``search`` or ``click``
+in any case. Anything else, a search off the search page, or a click on
+something the page does not show leaves the page unchanged: the same page
+comes back with reward 0 and ``valid=False``, as WebShop "performs nothing".
+No text ever raises.
 
 Clicking ``Buy Now`` ends the episode with the graded reward of
 ``webshop_reward`` (success means reward 1). The catalogue and its BM25 index
@@ -29,7 +32,7 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 from contrail.envs.base import Env, Step, Task, register
 from contrail.envs.webshop_catalog import PRODUCT_TYPES, Product, type_attributes
@@ -62,7 +65,7 @@ INSTRUCTION = (
 )
 
 _ACTION_MARKER = re.compile(r"action\s*:", re.IGNORECASE)
-_ACTION = re.compile(r"(search|click)\s*\[(.*)\]", re.IGNORECASE)
+_ACTION = re.compile(r"(.+)\[(.+)\]")  # WebShop's parse_action pattern, matched at the line start
 
 
 def parse_action(text: object) -> tuple[str, str] | None:
@@ -74,12 +77,14 @@ def parse_action(text: object) -> tuple[str, str] | None:
         return None
     markers = list(_ACTION_MARKER.finditer(text))
     tail = text[markers[-1].end():] if markers else text
-    lines = [line.strip().strip("`").strip() for line in tail.splitlines()]
-    first = next((line for line in lines if line), "")
-    match = _ACTION.fullmatch(first)
-    if match is None or not match.group(2).strip():
+    first = next((line.strip() for line in tail.splitlines() if line.strip()), "")
+    match = _ACTION.match(first)
+    if match is None:
         return None
-    return match.group(1).lower(), match.group(2).strip()
+    verb, argument = match.group(1).strip().lower(), match.group(2).strip()
+    if verb not in ("search", "click") or not argument:
+        return None
+    return verb, argument
 
 
 def react(thought: str, action: str) -> str:
@@ -213,7 +218,7 @@ class WebShop(Env):
         breakdown = purchase_reward(product, self.view.options, self.goal)
         self.last_reward = breakdown
         self.view = replace(self.view, kind="done")
-        info = {"action": action, "page": "done", "asin": product.asin, "reward": breakdown}
+        info = {"action": action, "page": "done", "asin": product.asin, "reward": asdict(breakdown)}
         success = breakdown.total == 1.0
         return Step(self.observation(), breakdown.total, True, success, True, info)
 
@@ -244,6 +249,8 @@ class WebShop(Env):
         if keywords in self.searches:
             # the goal's words found nothing that fits: search the target's own title
             keywords = self.shop.by_asin[goal.asin].title.lower()
+            return react(f"I think my first search found nothing that fits, so I will try {keywords}.",
+                         f"search[{keywords}]")
         return react(rng.choice((
             f"I think I should search for {goal.product_words} with the features I need.",
             f"I think searching for {keywords} will find the {goal.product_words} I want.",
@@ -255,7 +262,7 @@ class WebShop(Env):
         for asin in self.view.page_asins():
             if satisfies(self.shop.by_asin[asin], goal):
                 return react(rng.choice((
-                    f"I think {asin} is a {goal.query} that has what I need and costs less than "
+                    f"I think {asin} has what I need and costs less than "
                     f"{goal.price_upper:.2f} dollars, so I will open it.",
                     f"I think {asin} fits my requirements; I will check its page.",
                     f"I think {asin} matches {', '.join(goal.attributes)} within my budget.",

@@ -200,12 +200,14 @@ def test_search_that_matches_nothing_shows_an_empty_results_page(env):
         ("Action: \nclick[< Prev]\n", ("click", "< Prev")),
         ("click[Next >]", ("click", "Next >")),
         ("Thought: a\nAction: search[x]\nThought: b\nAction: CLICK[b0abc]", ("click", "b0abc")),
-        ("Action: `search[green tea]`", ("search", "green tea")),
+        ("Action: `search[green tea]`", None),
+        ("Action: click[Buy Now] please", ("click", "Buy Now")),
+        ("Action: click[a] or click[b]", None),
+        ("Action: Search[ Green Tea ]", ("search", "Green Tea")),
         ("Thought: nothing to do", None),
         ("Action: search[]", None),
         ("Action: search[  ]", None),
         ("Action: buy[it]", None),
-        ("Action: click[Buy Now] please", None),
         ("I will search[shoes] now", None),
         ("", None),
         (None, None),
@@ -223,6 +225,7 @@ BAD_OUTPUTS = [
     "Action: click[Search]",
     "Action: jump[now]",
     "Action: click[Buy Now",
+    "Action: click[a] or click[Buy Now]",
     "\x00\x01 [SEP] ]]][[[ Action: ::: click[]",
     "Action: " + "x" * 5000,
     "🛒 Action: click[🛒]",
@@ -266,7 +269,7 @@ def test_buy_now_ends_the_episode(env):
     env.step(f"Action: click[{env.view.results[0]}]")
     step = env.step("Action: click[Buy Now]")
     assert step.done and step.observation.startswith("Thank you for shopping with us!")
-    assert step.info["reward"].total == step.reward
+    assert step.info["reward"]["total"] == step.reward
     after = env.step("Action: click[Back to Search]")
     assert after.done and not after.valid and after.reward == 0.0
 
