@@ -1,0 +1,213 @@
+"""Batched multi-turn rollouts: many episodes advance together, token-in/token-out.
+
+Each turn, every live episode's token history goes into one batched
+generation; then every environment steps on its own output. Histories only
+grow: the ids a backend sampled are kept as they are (mask 1), and the
+template's closing and the next observation's user turn are appended as ids
+(mask 0). Nothing is ever decoded and re-encoded, so the ids trained on are
+the ids that were sampled.
+
+An episode ends when its environment says done, at the environment's turn
+limit, when a turn's ids would overflow ``max_episode_tokens`` (truncated), or
+when its environment raises (that episode fails with the error recorded; the
+other episodes go on).
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from contrail.agent.backend import Backend, SamplingParams
+from contrail.agent.chat import ChatFormat
+from contrail.envs.base import Env, Task
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Limits and sampling for one batch of episodes."""
+
+    max_new_tokens: int = 128          # per turn
+    max_episode_tokens: int = 4096     # prompt + every turn + every observation
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_turns: int | None = None       # overrides the environments' own turn limits when set
+
+    def __post_init__(self) -> None:
+        if self.max_episode_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"max_episode_tokens ({self.max_episode_tokens}) must exceed max_new_tokens "
+                f"({self.max_new_tokens}) so at least one turn fits"
+            )
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+        SamplingParams(self.max_new_tokens, self.temperature, self.top_p)  # validates the rest
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.max_new_tokens, self.temperature, self.top_p)
+
+
+@dataclass
+class Trajectory:
+    """One finished episode, ready for training and for reading.
+
+    ``ids``, ``mask`` and ``logprobs`` are aligned: ``mask[i] == 1`` exactly
+    where ``ids[i]`` was sampled by the policy, and ``logprobs[i]`` is the
+    sampler's log-probability there (0.0 elsewhere). ``messages`` is the same
+    conversation as text, for people.
+    """
+
+    task: Task
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    messages: list[dict[str, str]]
+    reward: float = 0.0
+    success: bool = False
+    turns: int = 0
+    generated_tokens: int = 0
+    invalid_actions: int = 0
+    truncated: bool = False
+    error: str | None = None
+    sample: int = 0
+
+    @property
+    def invalid_rate(self) -> float:
+        return self.invalid_actions / self.turns if self.turns else 0.0
+
+    def to_record(self) -> dict[str, Any]:
+        """A JSON-able summary: the conversation text and the outcome (no ids)."""
+        return {
+            "task": self.task.to_dict(), "sample": self.sample, "reward": self.reward,
+            "success": self.success, "turns": self.turns, "generated_tokens": self.generated_tokens,
+            "invalid_actions": self.invalid_actions, "truncated": self.truncated, "error": self.error,
+            "messages": self.messages,
+        }
+
+
+@dataclass
+class _Episode:
+    """Mutable state of one live episode."""
+
+    env: Env
+    trajectory: Trajectory
+    turn_limit: int
+    done: bool = False
+    last_valid: list[bool] = field(default_factory=list)
+
+    def extend(self, ids: list[int], mask_value: int, logprobs: list[float] | None = None) -> None:
+        traj = self.trajectory
+        traj.ids.extend(ids)
+        traj.mask.extend([mask_value] * len(ids))
+        traj.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
+
+
+EnvFactory = Callable[[Task], Env]
+
+
+def _start(task: Task, sample: int, make_env: EnvFactory, chat: ChatFormat, config: RolloutConfig) -> _Episode:
+    env = make_env(task)
+    trajectory = Trajectory(task=task, ids=[], mask=[], logprobs=[], messages=[], sample=sample)
+    limit = config.max_turns or env.turn_limit(task)
+    episode = _Episode(env=env, trajectory=trajectory, turn_limit=limit)
+    try:
+        observation = env.reset(task)
+    except Exception as error:  # a broken environment fails this episode, not the batch
+        _fail(episode, error)
+        return episode
+    messages = env.prompt_messages() + [{"role": "user", "content": observation}]
+    trajectory.messages.extend(messages)
+    episode.extend(chat.prompt_ids(messages), 0)
+    if len(trajectory.ids) + config.max_new_tokens > config.max_episode_tokens:
+        trajectory.truncated = True
+        episode.done = True
+    return episode
+
+
+def _fail(episode: _Episode, error: BaseException) -> None:
+    episode.trajectory.error = f"{type(error).__name__}: {error}"
+    episode.trajectory.reward = 0.0
+    episode.trajectory.success = False
+    episode.done = True
+    episode.trajectory.messages.append({"role": "error", "content": traceback.format_exc(limit=3)})
+
+
+def _advance(episode: _Episode, generation, chat: ChatFormat, config: RolloutConfig) -> None:
+    """Record one sampled turn, step the environment, append the observation."""
+    traj = episode.trajectory
+    tokenizer = chat.tokenizer
+    episode.extend(generation.ids, 1, generation.logprobs)
+    traj.generated_tokens += len(generation.ids)
+    traj.turns += 1
+    text = tokenizer.decode([t for t in generation.ids if t not in chat.stop_ids], skip_special_tokens=False)
+    traj.messages.append({"role": "assistant", "content": text})
+    episode.extend(chat.close_after(generation.ids), 0)
+    try:
+        step = episode.env.step(text)
+    except Exception as error:
+        _fail(episode, error)
+        return
+    traj.invalid_actions += 0 if step.valid else 1
+    traj.reward = float(step.reward)
+    traj.success = bool(step.success)
+    if step.done:
+        episode.done = True
+        return
+    if traj.turns >= episode.turn_limit:
+        episode.done = True
+        return
+    observation_ids = chat.user_turn_ids(step.observation)
+    if len(traj.ids) + len(observation_ids) + config.max_new_tokens > config.max_episode_tokens:
+        traj.truncated = True  # the next turn could not fit: stop before overflowing
+        episode.done = True
+        return
+    traj.messages.append({"role": "user", "content": step.observation})
+    episode.extend(observation_ids, 0)
+
+
+def rollout(
+    backend: Backend,
+    chat: ChatFormat,
+    tasks: list[Task],
+    make_env: EnvFactory,
+    config: RolloutConfig = RolloutConfig(),
+    samples: list[int] | None = None,
+    on_turn: Callable[[int, int], None] | None = None,
+    on_episode: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
+    """Play one episode per entry of ``tasks`` (repeat a task for several samples).
+
+    ``make_env(task)`` builds a fresh environment per episode. ``on_turn(live,
+    generated_tokens)`` is called after each batched turn and
+    ``on_episode(trajectory)`` when an episode finishes (progress bars).
+    Returns trajectories in the order of ``tasks``.
+    """
+    samples = samples if samples is not None else [0] * len(tasks)
+    episodes = [_start(task, sample, make_env, chat, config) for task, sample in zip(tasks, samples)]
+    for episode in episodes:
+        if episode.done and on_episode:
+            on_episode(episode.trajectory)
+    params = config.sampling()
+    while True:
+        live = [e for e in episodes if not e.done]
+        if not live:
+            break
+        generations = backend.generate([e.trajectory.ids for e in live], params)
+        for episode, generation in zip(live, generations):
+            _advance(episode, generation, chat, config)
+            if episode.done:
+                _close(episode)
+                if on_episode:
+                    on_episode(episode.trajectory)
+        if on_turn:
+            on_turn(len(live), sum(len(g.ids) for g in generations))
+    return [e.trajectory for e in episodes]
+
+
+def _close(episode: _Episode) -> None:
+    try:
+        episode.env.close()
+    except Exception as error:  # closing must never take the run down
+        episode.trajectory.error = episode.trajectory.error or f"close failed: {error}"
+

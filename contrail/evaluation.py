@@ -1,0 +1,122 @@
+"""Evaluating a policy on test experiences: avg@k, pass@k, reward, turns, tokens, invalid actions.
+
+Every experience's tasks are played ``k`` times each, all environments
+batched together in the same rollouts, and summarised per experience.
+``avg@k`` (the paper's metric) is the mean over tasks of the success rate of
+the ``k`` samples; ``pass@k`` is the share of tasks solved at least once.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from contrail.agent.backend import Backend
+from contrail.agent.chat import ChatFormat
+from contrail.agent.rollout import RolloutConfig, Trajectory, rollout
+from contrail.envs.base import Env, Task
+from contrail.progress import EpisodeProgress
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """Summary of one experience's evaluation."""
+
+    tasks: int
+    k: int
+    avg_at_k: float
+    pass_at_k: float
+    reward: float
+    turns: float
+    generated_tokens: float
+    invalid_rate: float
+    truncated_rate: float
+    errors: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def select_tasks(tasks: list[Task], count: int | None, seed: int = 0) -> list[Task]:
+    """A deterministic sample of ``count`` tasks spread over the whole list (all when None)."""
+    if count is None or count >= len(tasks):
+        return list(tasks)
+    if count < 1:
+        raise ValueError(f"the number of tasks must be >= 1, got {count}")
+    chosen = random.Random(seed).sample(range(len(tasks)), count)
+    return [tasks[i] for i in sorted(chosen)]
+
+
+def summarize(trajectories: list[Trajectory], k: int) -> EvalResult:
+    """Aggregate the ``k`` samples of each task into one `EvalResult`."""
+    by_task: dict[tuple[str, int], list[Trajectory]] = {}
+    for traj in trajectories:
+        by_task.setdefault((traj.task.env, traj.task.id), []).append(traj)
+    success_rates = [np.mean([t.success for t in group]) for group in by_task.values()]
+    solved = [any(t.success for t in group) for group in by_task.values()]
+    turns = sum(t.turns for t in trajectories)
+    return EvalResult(
+        tasks=len(by_task), k=k,
+        avg_at_k=float(np.mean(success_rates)) if success_rates else float("nan"),
+        pass_at_k=float(np.mean(solved)) if solved else float("nan"),
+        reward=float(np.mean([t.reward for t in trajectories])) if trajectories else float("nan"),
+        turns=float(np.mean([t.turns for t in trajectories])) if trajectories else float("nan"),
+        generated_tokens=float(np.mean([t.generated_tokens for t in trajectories])) if trajectories else float("nan"),
+        invalid_rate=sum(t.invalid_actions for t in trajectories) / turns if turns else float("nan"),
+        truncated_rate=float(np.mean([t.truncated for t in trajectories])) if trajectories else float("nan"),
+        errors=sum(t.error is not None for t in trajectories),
+    )
+
+
+def evaluate(
+    backend: Backend,
+    chat: ChatFormat,
+    experiences: dict[str, list[Task]],
+    make_env: Callable[[Task], Env],
+    k: int = 1,
+    config: RolloutConfig = RolloutConfig(),
+    batch_episodes: int = 64,
+    trajectories_path: str | Path | None = None,
+    description: str = "evaluating",
+    show_progress: bool = True,
+) -> dict[str, EvalResult]:
+    """Play every task of every experience ``k`` times; return results keyed by experience name.
+
+    Episodes of all experiences are interleaved into batches of
+    ``batch_episodes``, so different environments share each generation.
+    When ``trajectories_path`` is given, every finished episode is appended
+    there as one readable JSON line (the conversation and its outcome).
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    jobs = [(name, task, sample) for name, tasks in experiences.items() for task in tasks for sample in range(k)]
+    # Interleave experiences so each batch mixes environments (and their turn counts).
+    jobs.sort(key=lambda job: (job[2], job[1].id % 997, job[0]))
+    results: dict[str, list[Trajectory]] = {name: [] for name in experiences}
+    sink = open(trajectories_path, "a", encoding="utf-8") if trajectories_path else None
+    try:
+        with EpisodeProgress(len(jobs), description, enabled=show_progress) as progress:
+            for start in range(0, len(jobs), batch_episodes):
+                batch = jobs[start:start + batch_episodes]
+
+                def record(traj: Trajectory) -> None:
+                    progress.episode_done(traj.success)
+                    if sink:
+                        sink.write(json.dumps(traj.to_record()) + "\n")
+                        sink.flush()
+
+                trajectories = rollout(
+                    backend, chat, [job[1] for job in batch], make_env, config,
+                    samples=[job[2] for job in batch], on_turn=progress.turn_done, on_episode=record,
+                )
+                for job, traj in zip(batch, trajectories):
+                    results[job[0]].append(traj)
+    finally:
+        if sink:
+            sink.close()
+    return {name: summarize(trajs, k) for name, trajs in results.items()}
