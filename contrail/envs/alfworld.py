@@ -28,6 +28,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from contrail.envs import alfworld_games as games
+from contrail.envs.alfworld_expert import World, next_move, parse_goal
 from contrail.envs.base import Env, Step, Task, register
 from contrail.envs.parsing import last_action
 
@@ -73,23 +75,20 @@ class _GeneratedCatalogue:
         self.cache_dir = Path(cache_dir) if cache_dir else None
 
     def ids(self, split: str) -> list[int]:
-        from contrail.envs.alfworld_games import TASK_TYPES
-
         base, count = (0, TRAIN_PER_TYPE) if split == "train" else (TEST_ID_BASE, TEST_PER_TYPE)
-        return [base + index * len(TASK_TYPES) + kind for index in range(count) for kind in range(len(TASK_TYPES))]
+        return [base + offset for offset in range(count * len(games.TASK_TYPES))]
 
     def entry(self, task: Task) -> _GameEntry:
-        from contrail.envs import alfworld_games as games
-
-        offset = task.id - (TEST_ID_BASE if task.split == "test" else 0)
-        task_type = games.TASK_TYPES[offset % len(games.TASK_TYPES)]
-        spec = games.game_spec(task_type, task.split, offset // len(games.TASK_TYPES))
-        return _GameEntry(str(games.game_file(spec, self.cache_dir)), task_type)
+        index, task_type = divmod(self._offset(task), len(games.TASK_TYPES))
+        spec = games.game_spec(games.TASK_TYPES[task_type], task.split, index)
+        return _GameEntry(str(games.game_file(spec, self.cache_dir)), spec.task_type)
 
     def task_type(self, task: Task) -> str:
-        from contrail.envs.alfworld_games import TASK_TYPES
+        return games.TASK_TYPES[self._offset(task) % len(games.TASK_TYPES)]
 
-        return TASK_TYPES[(task.id - (TEST_ID_BASE if task.split == "test" else 0)) % len(TASK_TYPES)]
+    @staticmethod
+    def _offset(task: Task) -> int:
+        return task.id - (TEST_ID_BASE if task.split == "test" else 0)
 
 
 class _FileCatalogue:
@@ -112,8 +111,6 @@ class _FileCatalogue:
 
 def _file_entry(path: str) -> _GameEntry | None:
     """The game at ``path`` with its task type, or None for the kinds AlfredTWEnv skips."""
-    from contrail.envs.alfworld_expert import parse_goal
-
     if "movable" in path or "Sliced" in path:
         return None
     with open(path) as handle:
@@ -281,14 +278,10 @@ class AlfWorld(Env):
         return self._catalogue.task_type(task)
 
     def _difficulty(self, task: Task) -> str:
-        from contrail.envs.alfworld_games import EASY_TYPES
-
-        return "easy" if self.task_type(task) in EASY_TYPES else "hard"
+        return "easy" if self.task_type(task) in games.EASY_TYPES else "hard"
 
     # --- episodes -------------------------------------------------------------
     def reset(self, task: Task) -> str:
-        from contrail.envs.alfworld_expert import parse_goal
-
         self.close()
         self._task, self._done, self._turn, self._error = task, False, 0, None
         entry = self._catalogue.entry(task)
@@ -334,8 +327,6 @@ class AlfWorld(Env):
         return next((form for form in (command, to_agentgym(command)) if form in admissible), None)
 
     def expert(self) -> str:
-        from contrail.envs.alfworld_expert import World, next_move
-
         if self._task is None or self._done or self._error is not None:
             raise RuntimeError("expert() needs a live episode; call reset()")
         move = next_move(World.from_facts(self._state["facts"]), self._goal)
