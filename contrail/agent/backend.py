@@ -8,6 +8,7 @@ CPU or GPU; a vLLM backend plugs in behind the same two methods.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +45,11 @@ class Backend(Protocol):
     """What the rollout needs from a generator."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+
+
+def _cache_of(output):
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
 
 
 def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -89,6 +95,9 @@ class HFBackend:
         self.max_batch_size = max_batch_size
         self.generator = torch.Generator(device=self._device())
         self.generator.manual_seed(seed)
+        # transformers 5 renamed ``past_key_values`` to ``cache``; accept both.
+        parameters = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -129,7 +138,7 @@ class HFBackend:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
 
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1]
+        cache, logits = _cache_of(out), out.logits[:, -1]
         last_position = positions[:, -1]
         sampled, logprobs = [], []
         done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
@@ -145,8 +154,8 @@ class HFBackend:
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             last_position = last_position + 1
             out = self.model(input_ids=ids[:, None], attention_mask=attention,
-                             position_ids=last_position[:, None], past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1]
+                             position_ids=last_position[:, None], use_cache=True, **{self._cache_arg: cache})
+            cache, logits = _cache_of(out), out.logits[:, -1]
         if was_training:
             self.model.train()
         return self._unpack(torch.stack(sampled, 1).tolist(), torch.stack(logprobs, 1).tolist())

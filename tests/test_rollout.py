@@ -1,0 +1,170 @@
+"""Token bookkeeping of batched multi-turn rollouts, on tiny local models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from contrail.agent import ChatFormat, Generation, HFBackend, RolloutConfig, SamplingParams, rollout
+from contrail.envs.base import Step, Task
+from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chat(tokenizer):
+    return ChatFormat.from_tokenizer(tokenizer)
+
+
+class ScriptedBackend:
+    """Replies with fixed texts, encoded canonically and ended by the stop token."""
+
+    def __init__(self, tokenizer, chat, replies):
+        self.tokenizer, self.chat, self.replies = tokenizer, chat, list(replies)
+        self.calls = 0
+
+    def generate(self, prompts, params):
+        reply = self.replies[self.calls]
+        self.calls += 1
+        ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.chat.assistant_close_ids[0]]
+        return [Generation(ids, [-0.5] * len(ids), stopped=True) for _ in prompts]
+
+
+def easy_tasks(n=1):
+    return MagicWordEnv().tasks("test", "easy")[:n]
+
+
+def test_ids_equal_the_chat_template_rendering_of_the_conversation(tokenizer, chat):
+    backend = ScriptedBackend(tokenizer, chat, ["berry", "cherry", "apple"])
+    [traj] = rollout(backend, chat, easy_tasks(), lambda t: MagicWordEnv())
+    assert traj.success and traj.turns == 3
+    rendered = tokenizer.apply_chat_template(traj.messages, tokenize=False, add_generation_prompt=False)
+    assert traj.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_mask_is_one_exactly_on_sampled_tokens(tokenizer, chat):
+    backend = ScriptedBackend(tokenizer, chat, ["berry", "apple"])
+    [traj] = rollout(backend, chat, easy_tasks(), lambda t: MagicWordEnv())
+    sampled = [i for i, m in enumerate(traj.mask) if m]
+    expected = []
+    for reply in ("berry", "apple"):
+        expected += tokenizer(reply, add_special_tokens=False)["input_ids"] + [chat.assistant_close_ids[0]]
+    assert [traj.ids[i] for i in sampled] == expected
+    assert traj.generated_tokens == len(expected) == sum(traj.mask)
+    assert all((lp != 0) == bool(m) for lp, m in zip(traj.logprobs, traj.mask))
+    assert len(traj.ids) == len(traj.mask) == len(traj.logprobs)
+
+
+def test_invalid_outputs_are_counted_and_fed_back(tokenizer, chat):
+    backend = ScriptedBackend(tokenizer, chat, ["hello", "grape", "lemon"])
+    [traj] = rollout(backend, chat, easy_tasks(), lambda t: MagicWordEnv())
+    assert traj.turns == 3 and not traj.success and traj.reward == 0
+    assert traj.invalid_actions == 1
+    assert traj.messages[-2]["content"] == "wrong . try again"  # the environment's own message
+
+
+@pytest.fixture(scope="module")
+def random_policy(tokenizer, chat):
+    model = tiny_model(tokenizer, seed=1)
+    return model, HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=0)
+
+
+def test_random_model_rollouts_keep_sampled_ids_and_logprobs(tokenizer, chat, random_policy):
+    model, backend = random_policy
+    config = RolloutConfig(max_new_tokens=6, max_episode_tokens=256)
+    trajectories = rollout(backend, chat, easy_tasks(4) * 2, lambda t: MagicWordEnv(), config)
+    for traj in trajectories:
+        assert sum(traj.mask) == traj.generated_tokens > 0
+        assert traj.turns <= 3
+        # The sampler's log-probs equal the model's log-probs of those ids (temperature 1).
+        ids = torch.tensor([traj.ids])
+        with torch.no_grad():
+            logits = model(ids).logits.log_softmax(-1)[0]
+        for position, (token, flag, lp) in enumerate(zip(traj.ids, traj.mask, traj.logprobs)):
+            if flag:
+                assert lp == pytest.approx(logits[position - 1, token].item(), abs=1e-4)
+
+
+def test_per_turn_token_limit_cuts_turns_and_closes_them(tokenizer, chat, random_policy):
+    _, backend = random_policy
+    config = RolloutConfig(max_new_tokens=2, max_episode_tokens=256, temperature=1.0)
+    for traj in rollout(backend, chat, easy_tasks(6), lambda t: MagicWordEnv(), config):
+        runs, current = [], 0
+        for flag in traj.mask + [0]:
+            if flag:
+                current += 1
+            elif current:
+                runs.append(current)
+                current = 0
+        assert runs and max(runs) <= 2
+        assert len(runs) == traj.turns
+
+
+def test_episode_token_limit_truncates(tokenizer, chat, random_policy):
+    _, backend = random_policy
+    config = RolloutConfig(max_new_tokens=4, max_episode_tokens=60)
+    trajectories = rollout(backend, chat, easy_tasks(4), lambda t: MagicWordEnv(), config)
+    for traj in trajectories:
+        assert len(traj.ids) <= 60
+    assert any(t.truncated for t in trajectories if not t.success)
+
+
+def test_turn_limit_override(tokenizer, chat):
+    backend = ScriptedBackend(tokenizer, chat, ["grape"] * 5)
+    [traj] = rollout(backend, chat, easy_tasks(), lambda t: MagicWordEnv(), RolloutConfig(max_turns=2))
+    assert traj.turns == 2 and not traj.truncated
+
+
+def test_same_seed_same_trajectories(tokenizer, chat):
+    model = tiny_model(tokenizer, seed=1)
+    runs = []
+    for _ in range(2):
+        backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=7)
+        runs.append(rollout(backend, chat, easy_tasks(3), lambda t: MagicWordEnv(), RolloutConfig(max_new_tokens=5)))
+    assert [t.ids for t in runs[0]] == [t.ids for t in runs[1]]
+
+
+class ExplodingEnv(MagicWordEnv):
+    def step(self, text: str) -> Step:
+        raise ConnectionError("environment server died")
+
+
+def test_an_environment_that_dies_fails_its_episode_not_the_batch(tokenizer, chat):
+    backend = ScriptedBackend(tokenizer, chat, ["apple"])
+    tasks = easy_tasks(2)
+    make = lambda task: ExplodingEnv() if task == tasks[0] else MagicWordEnv()  # noqa: E731
+    broken, healthy = rollout(backend, chat, tasks, make)
+    assert broken.error and "environment server died" in broken.error and broken.reward == 0
+    assert healthy.success and healthy.error is None
+
+
+def test_left_padded_batch_matches_single_prompt_greedy(tokenizer, chat, random_policy):
+    model, _ = random_policy
+    backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id)
+    short = chat.prompt_ids([{"role": "user", "content": "say the word ."}])
+    long = chat.prompt_ids([{"role": "user", "content": "say the word . what is your task ? say one word ."}])
+    params = SamplingParams(max_new_tokens=5, temperature=0)
+    batched = backend.generate([short, long], params)
+    alone = [backend.generate([p], params)[0] for p in (short, long)]
+    assert [g.ids for g in batched] == [g.ids for g in alone]
+    for b, a in zip(batched, alone):
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+
+
+def test_rollout_config_validation():
+    with pytest.raises(ValueError, match="max_episode_tokens"):
+        RolloutConfig(max_new_tokens=64, max_episode_tokens=32)
+    with pytest.raises(ValueError, match="top_p"):
+        RolloutConfig(top_p=0)
+
+
+def test_task_is_recorded(tokenizer, chat):
+    backend = ScriptedBackend(tokenizer, chat, ["apple"])
+    [traj] = rollout(backend, chat, [Task("magic", 10_000, "test", "easy")], lambda t: MagicWordEnv())
+    record = traj.to_record()
+    assert record["task"] == {"env": "magic", "id": 10_000, "split": "test", "difficulty": "easy"}
+    assert record["success"] is True and record["messages"][-1]["role"] == "assistant"
