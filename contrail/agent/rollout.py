@@ -193,7 +193,11 @@ def rollout(
         live = [e for e in episodes if not e.done]
         if not live:
             break
-        generations = backend.generate([e.trajectory.ids for e in live], params)
+        prompts = [e.trajectory.ids for e in live]
+        if getattr(backend, "reads_envs", False):  # scripted actors (expert, random) look at the state
+            generations = backend.generate(prompts, params, envs=[e.env for e in live])
+        else:
+            generations = backend.generate(prompts, params)
         for episode, generation in zip(live, generations):
             _advance(episode, generation, chat, config)
             if episode.done:

@@ -1,0 +1,121 @@
+"""Expert demonstrations: experts' episodes rendered through the rollout path.
+
+The expert's text goes through the same rollout as a model's (`ExpertBackend`),
+so demonstrations carry the same chat rendering and token bookkeeping: ids,
+and a mask that is 1 exactly on the assistant's tokens. Supervised and
+reinforcement training therefore see identical tokens.
+
+Demonstrations come only from *training* tasks, are deterministic from a
+seed, and are cached on disk keyed by everything that shapes them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from contrail import __version__
+from contrail.agent.chat import ChatFormat
+from contrail.agent.rollout import RolloutConfig, Trajectory, rollout
+from contrail.agent.scripted import ExpertBackend
+from contrail.envs.base import Task
+from contrail.models import cache_dir
+from contrail.stream import Experience, env_factory
+from contrail.train.trainer import Sample
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """What a set of demonstrations is made of."""
+
+    envs: tuple[str, ...]
+    episodes: int
+    seed: int = 0
+    max_episode_tokens: int = 2048
+    max_new_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if not self.envs:
+            raise ValueError("demonstrations need at least one environment spec")
+        if self.episodes < 1:
+            raise ValueError(f"episodes must be >= 1, got {self.episodes}")
+
+
+def plan_tasks(experiences: list[Experience], episodes: int, seed: int) -> list[Task]:
+    """``episodes`` training tasks split evenly over experiences, drawn without repeats while possible."""
+    rng = random.Random(seed)
+    tasks: list[Task] = []
+    for index, experience in enumerate(experiences):
+        share = episodes // len(experiences) + (1 if index < episodes % len(experiences) else 0)
+        pool = list(experience.train_tasks)
+        drawn: list[Task] = []
+        while len(drawn) < share:
+            rng.shuffle(pool)
+            drawn.extend(pool[: share - len(drawn)])
+        tasks.extend(drawn)
+    return tasks
+
+
+def expert_trajectories(spec: DemoSpec, chat: ChatFormat, show_progress: bool = False) -> list[Trajectory]:
+    """Play the experts on training tasks through the rollout path."""
+    from contrail.progress import EpisodeProgress
+
+    experiences = [Experience.from_spec(s, seed=spec.seed) for s in spec.envs]
+    tasks = plan_tasks(experiences, spec.episodes, spec.seed)
+    config = RolloutConfig(max_new_tokens=spec.max_new_tokens, max_episode_tokens=spec.max_episode_tokens)
+    with EpisodeProgress(len(tasks), "expert demonstrations", enabled=show_progress) as progress:
+        return rollout(ExpertBackend(chat), chat, tasks, env_factory(experiences), config,
+                       on_episode=lambda t: progress.episode_done(t.success))
+
+
+def _cache_key(spec: DemoSpec, tokenizer) -> str:
+    identity = {
+        "spec": spec.__dict__, "version": __version__,
+        "tokenizer": getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer),
+        "template": tokenizer.chat_template,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def demonstrations(spec: DemoSpec, tokenizer, use_cache: bool = True,
+                   show_progress: bool = False) -> tuple[list[Sample], dict]:
+    """Successful expert episodes as training samples, plus a summary of how they were made.
+
+    Failed expert episodes are dropped (they would teach failure); the summary
+    says how many there were.
+    """
+    path = cache_dir() / "demos" / f"{_cache_key(spec, tokenizer)}.jsonl"
+    if use_cache and path.exists():
+        return _read(path)
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    trajectories = expert_trajectories(spec, chat, show_progress)
+    kept = [t for t in trajectories if t.success and not t.truncated]
+    summary = {
+        "envs": list(spec.envs), "episodes": len(trajectories), "kept": len(kept), "seed": spec.seed,
+        "assistant_tokens": sum(sum(t.mask) for t in kept), "tokens": sum(len(t.ids) for t in kept),
+        "splits": sorted({t.task.split for t in trajectories}),
+    }
+    samples = [Sample(t.ids, t.mask, {"env": t.task.env, "task": t.task.id}) for t in kept]
+    if use_cache:
+        _write(path, samples, summary)
+    return samples, summary
+
+
+def _write(path: Path, samples: list[Sample], summary: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    with open(partial, "w", encoding="utf-8") as sink:
+        sink.write(json.dumps({"summary": summary}) + "\n")
+        for sample in samples:
+            sink.write(json.dumps({"ids": sample.ids, "mask": sample.mask, "extras": sample.extras}) + "\n")
+    partial.replace(path)
+
+
+def _read(path: Path) -> tuple[list[Sample], dict]:
+    with open(path, encoding="utf-8") as source:
+        summary = json.loads(source.readline())["summary"]
+        samples = [Sample(**json.loads(line)) for line in source]
+    return samples, summary

@@ -1,0 +1,176 @@
+"""The masked-token trainer, demonstrations and behaviour cloning on tiny local models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from contrail.agent import ChatFormat, RolloutConfig, rollout
+from contrail.agent.scripted import ExpertBackend
+from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
+from contrail.train.config import TrainConfig
+from contrail.train.demos import DemoSpec, demonstrations, plan_tasks
+from contrail.train.trainer import MaskedTokenTrainer, collate, cross_entropy_loss, pack_by_tokens
+from contrail.stream import Experience
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONTRAIL_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def test_pack_by_tokens_respects_budget_and_keeps_every_sample():
+    lengths = [5, 50, 7, 30, 12, 100, 3]
+    groups = pack_by_tokens(lengths, budget=60)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        assert longest * len(group) <= 60 or len(group) == 1
+
+
+def test_demonstrations_render_like_rollouts_and_mask_assistant_tokens(tokenizer):
+    spec = DemoSpec(envs=("magic:easy",), episodes=4, seed=3)
+    samples, summary = demonstrations(spec, tokenizer, use_cache=False)
+    assert summary["kept"] == 4 and summary["splits"] == ["train"]
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    tasks = plan_tasks([Experience.from_spec("magic:easy", seed=3)], 4, 3)
+    direct = rollout(ExpertBackend(chat), chat, tasks, lambda t: MagicWordEnv(), RolloutConfig(max_new_tokens=512))
+    assert [s.ids for s in samples] == [t.ids for t in direct]
+    for sample, traj in zip(samples, direct):
+        rendered = tokenizer.apply_chat_template(traj.messages, tokenize=False)
+        assert sample.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        learned = [i for i, m in zip(sample.ids, sample.mask) if m]
+        assert learned == tokenizer("apple", add_special_tokens=False)["input_ids"] + chat.assistant_close_ids[:1]
+
+
+def test_demonstrations_only_read_training_tasks(tokenizer, monkeypatch):
+    seen_splits = set()
+    original = MagicWordEnv.reset
+
+    def spy(self, task):
+        seen_splits.add(task.split)
+        return original(self, task)
+
+    monkeypatch.setattr(MagicWordEnv, "reset", spy)
+    demonstrations(DemoSpec(envs=("magic", "magic-berry"), episodes=10), tokenizer, use_cache=False)
+    assert seen_splits == {"train"}
+
+
+def test_demonstrations_are_cached_and_deterministic(tokenizer):
+    spec = DemoSpec(envs=("magic",), episodes=6, seed=1)
+    first, _ = demonstrations(spec, tokenizer)
+    second, _ = demonstrations(spec, tokenizer)
+    fresh, _ = demonstrations(spec, tokenizer, use_cache=False)
+    assert [s.ids for s in first] == [s.ids for s in second] == [s.ids for s in fresh]
+
+
+def _loss(model, samples, tokenizer):
+    batch = collate(samples, tokenizer.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        loss, _ = cross_entropy_loss(model, batch, float(batch.loss_mask.sum()))
+    return float(loss)
+
+
+def test_supervised_loss_falls_and_every_parameter_changes(tokenizer):
+    model = tiny_model(tokenizer)
+    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=8), tokenizer, use_cache=False)
+    before = _loss(model, samples, tokenizer)
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=3e-3, micro_batch_tokens=64))
+    for _ in range(15):
+        stats = trainer.step(samples, cross_entropy_loss)
+    assert stats["micro_batches"] > 1  # the budget forced gradient accumulation
+    after = _loss(trainer.unwrapped, samples, tokenizer)
+    assert after < before * 0.5
+    for name, parameter in trainer.unwrapped.named_parameters():
+        assert not torch.equal(parameter.detach(), initial[name]), name
+
+
+def test_micro_batching_gives_the_same_gradient_as_one_batch(tokenizer):
+    samples, _ = demonstrations(DemoSpec(envs=("magic", "magic-berry"), episodes=6), tokenizer, use_cache=False)
+    grads = []
+    for budget in (10_000, 40):
+        model = tiny_model(tokenizer, seed=5)
+        trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=1e-3, micro_batch_tokens=budget, max_grad_norm=1e9))
+        trainer.optimizer.step = lambda: None  # keep the gradient of the first step
+        trainer.optimizer.zero_grad = lambda set_to_none=True: None
+        stats = trainer.step(samples, cross_entropy_loss)
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.unwrapped.parameters()]))
+        assert (stats["micro_batches"] == 1) == (budget == 10_000)
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_lora_trains_only_adapters(tokenizer):
+    pytest.importorskip("peft")
+    model = tiny_model(tokenizer)
+    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=4), tokenizer, use_cache=False)
+    trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=1e-2, lora=True, lora_r=4))
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
+    trainer.step(samples, cross_entropy_loss)
+    trainer.step(samples, cross_entropy_loss)
+    for name, parameter in trainer.unwrapped.named_parameters():
+        changed = not torch.equal(parameter.detach(), before[name])
+        assert changed == ("lora_" in name), name
+
+
+def test_checkpoint_resume_continues_identically(tokenizer, tmp_path):
+    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=6), tokenizer, use_cache=False)
+    config = TrainConfig(lr=1e-3, warmup_steps=4)
+
+    straight = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, config)
+    for _ in range(4):
+        straight.step(samples, cross_entropy_loss)
+
+    first = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, config)
+    for _ in range(2):
+        first.step(samples, cross_entropy_loss)
+    first.save(tmp_path / "ckpt", extra={"note": "half"})
+    from contrail.models import load_model
+
+    model, tok = load_model(str(tmp_path / "ckpt"))
+    resumed = MaskedTokenTrainer(model, tok, config)
+    assert resumed.load_state(tmp_path / "ckpt") == {"note": "half"}
+    assert resumed.global_step == 2
+    for _ in range(2):
+        resumed.step(samples, cross_entropy_loss)
+    for a, b in zip(straight.unwrapped.parameters(), resumed.unwrapped.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_sft_end_to_end_and_resume(tokenizer, tmp_path, monkeypatch):
+    from contrail.train import sft
+
+    base = tmp_path / "base"
+    tiny_model(tokenizer).save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    spec = DemoSpec(envs=("magic:easy",), episodes=8)
+    config = sft.SFTConfig(lr=3e-3, epochs=3, batch_size=4)
+
+    # Interrupt after the first epoch's checkpoint, then resume.
+    calls = {"n": 0}
+    original_save = MaskedTokenTrainer.save
+
+    def save_then_die(self, directory, extra=None):
+        result = original_save(self, directory, extra)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(MaskedTokenTrainer, "save", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        sft.train_sft(str(base), spec, tmp_path / "bc", config, show_progress=False)
+    model_dir = sft.train_sft(str(base), spec, tmp_path / "bc", config, show_progress=False)
+    log = [json.loads(line) for line in open(tmp_path / "bc" / "log.jsonl")]
+    assert [r["epoch"] for r in log] == [0, 0, 1, 1, 2, 2]  # epoch 0 not repeated
+    assert log[-1]["nll_per_token"] < log[0]["nll_per_token"]
+    assert (model_dir / "config.json").exists()
+    summary = json.loads((tmp_path / "bc" / "summary.json").read_text())
+    assert summary["demonstrations"]["envs"] == ["magic:easy"]
