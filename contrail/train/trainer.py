@@ -154,7 +154,7 @@ class MaskedTokenTrainer:
             raise ValueError("a training step needs at least one sample")
         local_tokens = float(sum(sum(s.mask) for s in samples))
         if normalizer is None:
-            normalizer = max(self._sum_over_processes(local_tokens), 1.0)
+            normalizer = max(self.sum_over_processes(local_tokens), 1.0)
         # DDP averages gradients over processes; undo that so they sum, as in one process.
         scale = float(self.accelerator.num_processes)
         groups = pack_by_tokens([len(s.ids) for s in samples], self.config.micro_batch_tokens)
@@ -192,7 +192,8 @@ class MaskedTokenTrainer:
             return float(torch.norm(torch.stack(norms))) if norms else 0.0
         return float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
 
-    def _sum_over_processes(self, value: float) -> float:
+    def sum_over_processes(self, value: float) -> float:
+        """``value`` summed over data-parallel processes (itself when there is one)."""
         if self.accelerator.num_processes == 1:
             return value
         tensor = torch.tensor([value], device=self.accelerator.device)
