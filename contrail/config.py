@@ -58,6 +58,7 @@ __all__ = [
     "load_experiment",
     "order_label",
     "preset_names",
+    "run_label",
     "to_dict",
 ]
 
@@ -230,7 +231,9 @@ def _preset(section: str, name: str, where: str, key: str) -> tuple[dict[str, An
             return {"name": name}, where  # a registered strategy without a preset file
         valid = preset_names(section)
         extra = f"; registered strategies: {', '.join(strategies.names())}" if section == "strategy" else ""
-        raise ConfigError(f"{where}: {key}: unknown {section} preset {name!r}; valid presets: {', '.join(valid)}{extra}")
+        raise ConfigError(
+            f"{where}: {key}: unknown {section} preset {name!r}; valid presets: {', '.join(valid)}{extra}"
+        )
     data = _read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a {section} preset must be a mapping, got {type(data).__name__}")
@@ -579,7 +582,9 @@ def expand_runs(cfg: ExperimentConfig) -> list[ExperimentConfig]:
             if cfg.seeds is not None:
                 out = out / f"seed{seed}"
             run = dataclasses.replace(cfg, seed=seed, seeds=None, orders=None, out=str(out), stream=stream)
-            default = run_label(run)
-            run.label = default if cfg.label is None else (f"{cfg.label}: {' → '.join(order)}" if order else cfg.label)
+            if cfg.label is None:
+                run.label = run_label(run)
+            else:
+                run.label = f"{cfg.label}: {' → '.join(order)}" if order else cfg.label
             runs.append(run)
     return runs

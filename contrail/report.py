@@ -34,9 +34,15 @@ MEASURES = {"avg_at_k": "avg@k", "pass_at_k": "pass@k", "reward": "reward", "inv
 # The continual-learning metrics (on avg@k), with one-line definitions.
 METRICS = {
     "final_performance": ("ACC", "mean over trained experiences of the score after the last stage, R[S, j]"),
-    "backward_transfer": ("BWT", "mean of R[S, j] − R[s_j, j]: how later stages changed what was learned (negative = forgetting)"),
-    "forgetting": ("forgetting", "mean of max(R[s_j..S−1, j]) − R[S, j]: the drop from each experience's best score"),
-    "forward_transfer": ("FWT", "mean of R[s_j − 1, j] − R[0, j]: how earlier stages helped before an experience was trained"),
+    "backward_transfer": (
+        "BWT", "mean of R[S, j] − R[s_j, j]: how later stages changed what was learned (negative = forgetting)"
+    ),
+    "forgetting": (
+        "forgetting", "mean of max(R[s_j..S−1, j]) − R[S, j]: the drop from each experience's best score"
+    ),
+    "forward_transfer": (
+        "FWT", "mean of R[s_j − 1, j] − R[0, j]: how earlier stages helped before an experience was trained"
+    ),
     "heldout_gain": ("held-out gain", "mean of R[S, h] − R[0, h] over experiences never trained"),
 }
 
@@ -152,7 +158,8 @@ def _markdown(data: RunData) -> str:
     model = (cfg.get("model") or {}).get("name") or (data.plan or {}).get("start_model") or "?"
     strategy = cfg.get("strategy") or {}
     options = ", ".join(f"{k}={v}" for k, v in (strategy.get("options") or {}).items())
-    lines.append(f"- model: `{model}`; strategy: {strategy.get('name', '?')}{f' ({options})' if options else ''}; seed: {cfg.get('seed', '?')}")
+    described = f"{strategy.get('name', '?')}{f' ({options})' if options else ''}"
+    lines.append(f"- model: `{model}`; strategy: {described}; seed: {cfg.get('seed', '?')}")
     if data.plan and data.plan.get("start_model"):
         lines.append(f"- start model: `{data.plan['start_model']}`")
     warm = (data.plan or {}).get("warmstart") or (cfg.get("model") or {}).get("warmstart")
@@ -185,7 +192,8 @@ def _stages_table(data: RunData) -> list[str]:
         wall = "–"
         if index < len(data.rows) and data.rows[index].get("wall_seconds") is not None:
             wall = f"{data.rows[index]['wall_seconds'] / 60:.1f} min"
-        lines.append(f"| {index} | {stage['name']} | {', '.join(stage['experiences'])} | {shares} | {stage['steps']} | {wall} |")
+        trained = ", ".join(stage["experiences"])
+        lines.append(f"| {index} | {stage['name']} | {trained} | {shares} | {stage['steps']} | {wall} |")
     return lines + [""]
 
 
@@ -209,7 +217,8 @@ def _metrics_section(data: RunData) -> list[str]:
     if view is None:
         return lines + ["No stage recorded yet.", ""]
     if data.completed < data.planned_stages:
-        lines += [f"Partial run: over stages 0..{data.completed}, the experiences trained so far and the held-out ones.", ""]
+        lines += [f"Partial run: over stages 0..{data.completed}, the experiences trained so far "
+                  "and the held-out ones.", ""]
     summary = metrics.summarize(*view)
     lines += ["| metric | value | definition |", "|---|---|---|"]
     for key, (title, definition) in METRICS.items():
@@ -237,7 +246,8 @@ def _write_csv(data: RunData) -> Path:
         for measure in MEASURES:
             R = data.matrix(measure)
             for i in range(R.shape[0]):
-                writer.writerow([measure, i, _stage_name(data, i), *("" if math.isnan(v) else f"{v:.6g}" for v in R[i])])
+                values = ("" if math.isnan(v) else f"{v:.6g}" for v in R[i])
+                writer.writerow([measure, i, _stage_name(data, i), *values])
     return path
 
 

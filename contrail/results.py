@@ -98,7 +98,9 @@ class RunDir:
                     "use --resume to continue it or --force to delete it and start over"
                 )
         elif self.path.exists() and any(self.path.iterdir()):
-            raise RunExistsError(f"{self.path} is not empty and holds no contrail run (no {CONFIG}); refusing to use it")
+            raise RunExistsError(
+                f"{self.path} is not empty and holds no contrail run (no {CONFIG}); refusing to use it"
+            )
         self.path.mkdir(parents=True, exist_ok=True)
         _atomic_write(self.path / CONFIG, yaml.safe_dump(config, sort_keys=False))
 

@@ -27,6 +27,7 @@ Writing your own strategy takes a few lines: a dataclass whose fields are its
 options, a ``plan``, and optionally the ``before_stage``/``after_stage`` hooks,
 which receive the trainer (to wrap it with a regulariser, say)::
 
+    from dataclasses import dataclass
     from contrail import strategies
     from contrail.strategies import Stage, Strategy, TaskSampler, budget
 
@@ -148,7 +149,8 @@ class TaskSampler:
         sizes = {n: len(p) for n, p in self.pools.items()}
         if state.get("sizes") != sizes or state.get("seed") != self.seed:
             raise ValueError(
-                f"sampler state does not match this sampler: saved pools {state.get('sizes')} seed {state.get('seed')}, "
+                f"sampler state does not match this sampler: saved pools {state.get('sizes')} "
+                f"seed {state.get('seed')}, "
                 f"current pools {sizes} seed {self.seed}"
             )
         self._counts = {name: int(state["counts"][name]) for name in self.pools}

@@ -8,7 +8,6 @@ import pytest
 
 from contrail import envs
 from contrail.config import (
-    PRESETS,
     ConfigError,
     EnvUnavailableError,
     ExperimentConfig,
