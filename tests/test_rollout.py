@@ -168,3 +168,35 @@ def test_task_is_recorded(tokenizer, chat):
     record = traj.to_record()
     assert record["task"] == {"env": "magic", "id": 10_000, "split": "test", "difficulty": "easy"}
     assert record["success"] is True and record["messages"][-1]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kept_kv_cache_gives_the_same_episodes_as_full_recomputation(tokenizer, chat, random_policy, temperature):
+    model, _ = random_policy
+    config = RolloutConfig(max_new_tokens=4, max_episode_tokens=256, temperature=temperature)
+    tasks = easy_tasks(5)
+    results = []
+    for reuse in (True, False):
+        backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=11, reuse_cache=reuse)
+        results.append(rollout(backend, chat, tasks, lambda t: MagicWordEnv(), config))
+    kept, recomputed = results
+    assert max(t.turns for t in kept) > 1  # later turns really reused the cache
+    assert [t.ids for t in kept] == [t.ids for t in recomputed]
+    for a, b in zip(kept, recomputed):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_cache_is_reused_only_for_extending_prompts(tokenizer, chat, random_policy):
+    model, _ = random_policy
+    backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id)
+    params = SamplingParams(max_new_tokens=3, temperature=0)
+    prompt = chat.prompt_ids([{"role": "user", "content": "say the word ."}])
+    first = backend.generate([prompt, prompt + [5]], params)
+    assert backend._session is not None and len(backend._session.known) == 2
+    # The next turn of the second episode only: the first row is dropped, the second extended.
+    follow = prompt + [5] + first[1].ids + chat.close_after(first[1].ids) + chat.user_turn_ids("try again")
+    [kept] = backend.generate([follow], params)
+    fresh = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, reuse_cache=False)
+    [recomputed] = fresh.generate([follow], params)
+    assert kept.ids == recomputed.ids
+    assert kept.logprobs == pytest.approx(recomputed.logprobs, abs=1e-4)

@@ -78,26 +78,61 @@ def sample_next(
     return ids, logprobs.gather(-1, ids[:, None]).squeeze(-1)
 
 
+@dataclass
+class _Session:
+    """The KV cache of the last batch, kept so the next turn only prefills what is new.
+
+    ``known[r]`` are the ids row ``r`` of the cache holds (real tokens only);
+    ``attention`` marks real positions (left padding and the slots of rows
+    that had already stopped are holes, masked out); ``next_position`` is
+    each row's next position id.
+    """
+
+    cache: object
+    attention: torch.Tensor
+    next_position: torch.Tensor
+    known: list[list[int]]
+
+    def match(self, prompts: list[list[int]]) -> list[int] | None:
+        """For each prompt, the row whose cached ids it strictly extends; None if any has none."""
+        rows, taken = [], set()
+        for prompt in prompts:
+            row = next((r for r, ids in enumerate(self.known) if r not in taken
+                        and len(ids) < len(prompt) and prompt[: len(ids)] == ids), None)
+            if row is None:
+                return None
+            rows.append(row)
+            taken.add(row)
+        return rows
+
+
 class HFBackend:
-    """Batched sampling from a transformers causal LM with a KV cache.
+    """Batched sampling from a transformers causal LM with a KV cache kept across turns.
 
     Prompts are left-padded into one batch; rows that hit a stop id keep
-    decoding pad tokens (ignored) until every row is done or the token limit
-    is reached. Sampling uses its own seeded ``torch.Generator``, so the same
-    seed and prompts give the same samples.
+    decoding pad tokens (masked out) until every row is done or the token limit
+    is reached. When the next call's prompts extend the previous call's
+    (the next turn of the same episodes), the cache is kept: only the new
+    tokens (template closing and observation) are prefilled, so a turn costs
+    what it adds, not the whole history. Finished episodes' rows are dropped.
+    Sampling uses its own seeded ``torch.Generator``: the same seed and
+    prompts give the same samples.
     """
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], pad_id: int, seed: int = 0,
-                 max_batch_size: int = 64):
+                 max_batch_size: int = 64, reuse_cache: bool = True):
         self.model = model
         self.stop_ids = frozenset(stop_ids)
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
+        self.reuse_cache = reuse_cache
         self.generator = torch.Generator(device=self._device())
         self.generator.manual_seed(seed)
+        self._session: _Session | None = None
         # transformers 5 renamed ``past_key_values`` to ``cache``; accept both.
         parameters = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+        self._keep_arg = "logits_to_keep" if "logits_to_keep" in parameters else None
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -111,54 +146,98 @@ class HFBackend:
     def set_generator_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
 
+    def reset_cache(self) -> None:
+        """Forget the kept KV cache (e.g. after the weights changed)."""
+        self._session = None
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        results: list[Generation] = []
-        # Longest prompts together: less padding per batch.
+        if len(prompts) <= self.max_batch_size:
+            return self._generate_batch(prompts, params)
+        # Too many for one batch: chunks of similar lengths, without a kept cache.
+        self._session = None
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         by_index: dict[int, Generation] = {}
         for start in range(0, len(order), self.max_batch_size):
             chunk = order[start:start + self.max_batch_size]
             for index, generation in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params)):
                 by_index[index] = generation
-        results = [by_index[i] for i in range(len(prompts))]
-        return results
+            self._session = None
+        return [by_index[i] for i in range(len(prompts))]
 
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        device = self._device()
         was_training = self.model.training
         self.model.eval()
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            attention[row, width - len(prompt):] = 1
+        try:
+            rows = self._session.match(prompts) if (self.reuse_cache and self._session) else None
+            if rows is None:
+                session, logits = self._prefill(prompts)
+            else:
+                session, logits = self._extend(self._session, rows, prompts)
+            generations = self._decode(session, prompts, logits, params)
+        finally:
+            if was_training:
+                self.model.train()
+        return generations
+
+    def _forward(self, input_ids, attention, positions, cache=None):
+        kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "use_cache": True}
+        if cache is not None:
+            kwargs[self._cache_arg] = cache
+        if self._keep_arg:
+            kwargs[self._keep_arg] = 1  # only the last position's logits are needed
+        out = self.model(**kwargs)
+        return _cache_of(out), out.logits[:, -1]
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
+        device = self._device()
+        input_ids, attention = _left_padded(prompts, self.pad_id)
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        cache, logits = self._forward(input_ids, attention, positions)
+        lengths = torch.tensor([len(p) for p in prompts], device=device)
+        return _Session(cache, attention, lengths, [list(p) for p in prompts]), logits
 
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
-        cache, logits = _cache_of(out), out.logits[:, -1]
-        last_position = positions[:, -1]
+    def _extend(self, session: _Session, rows: list[int], prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
+        """Keep the matched rows of the cache and prefill only each prompt's new tokens."""
+        device = self._device()
+        index = torch.tensor(rows, device=device)
+        if rows != list(range(len(session.known))):
+            session.cache.batch_select_indices(index)
+        new = [p[len(session.known[r]):] for p, r in zip(prompts, rows)]
+        input_ids, block = _left_padded(new, self.pad_id)
+        input_ids, block = input_ids.to(device), block.to(device)
+        next_position = session.next_position[index]
+        positions = next_position[:, None] + (block.cumsum(-1) - 1).clamp(min=0)
+        attention = torch.cat([session.attention[index], block], dim=1)
+        cache, logits = self._forward(input_ids, attention, positions, session.cache)
+        lengths = next_position + block.sum(-1)
+        return _Session(cache, attention, lengths, [list(p) for p in prompts]), logits
+
+    def _decode(self, session: _Session, prompts, logits, params: SamplingParams) -> list[Generation]:
+        device = self._device()
         sampled, logprobs = [], []
         done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+        fed = torch.zeros(len(prompts), dtype=torch.long, device=device)  # sampled ids now in the cache
         stop = torch.tensor(sorted(self.stop_ids), device=device)
+        cache, attention, position = session.cache, session.attention, session.next_position
         for _ in range(params.max_new_tokens):
             ids, lps = sample_next(logits, params, self.generator)
             ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
             sampled.append(ids)
             logprobs.append(lps)
+            real = ~done  # this step's token is a real sample for rows not yet done
             done = done | torch.isin(ids, stop)
             if bool(done.all()):
                 break
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-            last_position = last_position + 1
-            out = self.model(input_ids=ids[:, None], attention_mask=attention,
-                             position_ids=last_position[:, None], use_cache=True, **{self._cache_arg: cache})
-            cache, logits = _cache_of(out), out.logits[:, -1]
-        if was_training:
-            self.model.train()
-        return self._unpack(torch.stack(sampled, 1).tolist(), torch.stack(logprobs, 1).tolist())
+            attention = torch.cat([attention, real.long()[:, None]], dim=1)
+            cache, logits = self._forward(ids[:, None], attention, position[:, None], cache)
+            position = position + real.long()
+            fed = fed + real.long()
+        generations = self._unpack(torch.stack(sampled, 1).tolist(), torch.stack(logprobs, 1).tolist())
+        known = [p + g.ids[:n] for p, g, n in zip(session.known, generations, fed.tolist())]
+        self._session = _Session(cache, attention, position, known) if self.reuse_cache else None
+        return generations
 
     def _unpack(self, rows: list[list[int]], logprob_rows: list[list[float]]) -> list[Generation]:
         generations = []
@@ -167,3 +246,15 @@ class HFBackend:
             keep = end if end is not None else len(ids)
             generations.append(Generation(ids[:keep], lps[:keep], stopped=end is not None))
         return generations
+
+
+def _left_padded(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, attention)`` with every sequence right-aligned (left padding)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, sequence in enumerate(sequences):
+        if sequence:
+            ids[row, width - len(sequence):] = torch.tensor(sequence, dtype=torch.long)
+            attention[row, width - len(sequence):] = 1
+    return ids, attention

@@ -184,6 +184,9 @@ def rollout(
     Returns trajectories in the order of ``tasks``.
     """
     samples = samples if samples is not None else [0] * len(tasks)
+    reset_cache = getattr(backend, "reset_cache", None)
+    if reset_cache:
+        reset_cache()  # a kept KV cache belongs to other episodes (and maybe older weights)
     episodes = [_start(task, sample, make_env, chat, config) for task, sample in zip(tasks, samples)]
     for episode in episodes:
         if episode.done and on_episode:
@@ -206,6 +209,8 @@ def rollout(
                     on_episode(episode.trajectory)
         if on_turn:
             on_turn(len(live), sum(len(g.ids) for g in generations))
+    if reset_cache:
+        reset_cache()  # free the cache's memory
     return [e.trajectory for e in episodes]
 
 
