@@ -1,7 +1,12 @@
 """The ``contrail`` command.
 
-    contrail envs                         list environments, difficulties, task counts
-    contrail eval --model M --env E ...   evaluate a model on test tasks
+    contrail envs                          list environments, difficulties, task counts
+    contrail eval  --model M --env E ...   evaluate a model on test tasks
+    contrail sft   --model M --env E ...   behaviour cloning on expert demonstrations (warm-start)
+    contrail train --model M --env E ...   GRPO on some environments, evaluated before and after
+    contrail run experiments/x.yaml [k=v]  a continual experiment (or an ablation family) from YAML
+    contrail report RUN                    regenerate a run's report.md, matrix.csv and plots
+    contrail compare RUN...                tabulate an ablation: mean ± std over seeds
 
 Bad input (unknown environment or difficulty, k < 1, missing model) prints
 one line naming the valid choices and exits with code 2.
@@ -123,6 +128,140 @@ def print_results(results, title: str) -> None:
     console.print(table)
 
 
+# --- contrail sft ----------------------------------------------------------------
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    from contrail.train.demos import DemoSpec
+    from contrail.train.sft import SFTConfig, train_sft
+
+    demos = DemoSpec(envs=tuple(_checked_specs(args.env)), episodes=args.episodes, seed=args.seed,
+                     max_episode_tokens=args.max_episode_tokens)
+    config = SFTConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
+                       precision=args.precision, lora=args.lora, micro_batch_tokens=args.micro_batch_tokens,
+                       gradient_checkpointing=args.gradient_checkpointing)
+    start = time.perf_counter()
+    model_dir = train_sft(args.model, demos, args.out, config, dtype=args.dtype, resume=not args.restart)
+    summary = json.loads((Path(args.out) / "summary.json").read_text())
+    made = summary["demonstrations"]
+    console.print(
+        f"behaviour cloning done in {time.perf_counter() - start:.0f} s: {made['kept']}/{made['episodes']} expert "
+        f"episodes of {', '.join(made['envs'])} (training tasks only), {summary['steps']} steps\n"
+        f"model: {model_dir}\nevaluate it: contrail eval --model {args.out} --env {args.env[0]}"
+    )
+    return 0
+
+
+def _checked_specs(specs: list[str]) -> list[str]:
+    for spec in specs:
+        envs.parse_spec(spec)  # unknown names fail here, listing the valid ones
+    return specs
+
+
+# --- contrail train --------------------------------------------------------------
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from contrail.config import EvalConfig
+    from contrail.grpo.config import GRPOConfig
+    from contrail.runner import WarmStart, run
+    from contrail.strategies import Mixture
+    from contrail.stream import Stream
+    from contrail.train.demos import DemoSpec
+
+    stream = Stream.from_specs(_checked_specs(args.env), test_tasks=args.eval_tasks, seed=args.seed)
+    for index, experience in enumerate(stream.train):  # split the step budget over the environments
+        experience.steps = args.steps // len(stream.train) + (1 if index < args.steps % len(stream.train) else 0)
+    grpo = GRPOConfig(lr=args.lr, group_size=args.group_size, tasks_per_step=args.tasks_per_step,
+                      max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, beta=args.beta,
+                      clip_high=args.clip_high, lora=args.lora, precision=args.precision, seed=args.seed,
+                      temperature=args.temperature, max_episode_tokens=args.max_episode_tokens,
+                      gradient_checkpointing=args.gradient_checkpointing, micro_batch_tokens=args.micro_batch_tokens)
+    evaluation = EvalConfig(k=args.k, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
+                            max_episode_tokens=args.max_episode_tokens, batch_episodes=args.batch_episodes)
+    warm = None
+    if args.warmstart_episodes:
+        warm = WarmStart(DemoSpec(envs=tuple(args.env), episodes=args.warmstart_episodes, seed=args.seed))
+    result = run(stream, Mixture(seed=args.seed), model=args.model, out=args.out, grpo=grpo, eval=evaluation,
+                 warm_start=warm, dtype=args.dtype, device=resolve_device(args.device), seed=args.seed,
+                 resume=args.resume, force=args.force)
+    print_run(result)
+    return 0
+
+
+def print_run(result) -> None:
+    """The per-stage avg@k table and the continual-learning metrics of a run."""
+    matrix = result.matrix()
+    table = Table(title=f"avg@k after each stage ({result.path})")
+    table.add_column("stage")
+    for name, stage in zip(result.test, result.trained_at):
+        table.add_column(f"{name}" + ("" if stage else " (held out)"), justify="right")
+    for row, values in zip(result.rows, matrix):
+        table.add_row(f"{row['stage']} {row['name']}", *(f"{v:.3f}" for v in values))
+    console.print(table)
+    metrics = "  ".join(f"{k} {v:+.3f}" for k, v in result.metrics.items())
+    console.print(f"metrics: {metrics}\nreport: {result.path / 'report.md'}")
+
+
+# --- contrail run / report / compare -------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from contrail.config import load_experiment, to_dict
+    from contrail.experiment import build_stream, build_strategy, describe_plan, expand_runs
+    from contrail.report import compare
+    from contrail.runner import WarmStart, run
+    from contrail.train.demos import DemoSpec
+    from contrail.train.sft import SFTConfig
+
+    cfg = load_experiment(args.experiment, args.overrides)
+    if args.dry_run:
+        print(describe_plan(cfg))
+        return 0
+    runs = expand_runs(cfg)
+    started = time.perf_counter()
+    for number, one in enumerate(runs, start=1):
+        console.rule(f"run {number}/{len(runs)}: {one.label} (seed {one.seed}) → {one.out}")
+        warm = None
+        if one.model.warmstart is not None:
+            ws = one.model.warmstart
+            warm = WarmStart(DemoSpec(envs=tuple(ws.envs), episodes=ws.episodes, seed=ws.seed,
+                                      max_episode_tokens=ws.max_episode_tokens),
+                             SFTConfig(lr=ws.lr, epochs=ws.epochs, seed=ws.seed))
+        result = run(build_stream(one), build_strategy(one), model=one.model.name, out=one.out, grpo=one.grpo,
+                     eval=one.eval, warm_start=warm, dtype=one.model.dtype, device=resolve_device(one.model.device),
+                     seed=one.seed, resume=args.resume, force=args.force, config=to_dict(one))
+        print_run(result)
+    if len(runs) > 1:
+        console.print(compare([one.out for one in runs]), markup=False)
+    console.print(f"wall time: {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from contrail.report import write_report
+
+    for path in write_report(args.run):
+        console.print(f"wrote {path}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from contrail.report import compare
+
+    console.print(compare(args.runs), markup=False)
+    return 0
+
+
+def add_training_arguments(parser: argparse.ArgumentParser, lr: float) -> None:
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--lr", type=float, default=lr)
+    group.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    group.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of all weights")
+    group.add_argument("--micro-batch-tokens", type=_positive, default=4096, help="padded tokens per micro-batch")
+    group.add_argument("--gradient-checkpointing", action="store_true")
+
+
 # --- the parser ------------------------------------------------------------------
 
 
@@ -144,17 +283,66 @@ def build_parser() -> argparse.ArgumentParser:
     add_rollout_arguments(p_eval)
     p_eval.set_defaults(run=cmd_eval)
 
+    p_sft = sub.add_parser("sft", help="behaviour cloning on expert demonstrations (training tasks only)")
+    add_model_arguments(p_sft)
+    p_sft.add_argument("--env", action="append", required=True, help="environment spec (repeatable)")
+    p_sft.add_argument("--episodes", type=_positive, default=100, help="expert episodes, split over the envs")
+    p_sft.add_argument("--epochs", type=_positive, default=2)
+    p_sft.add_argument("--batch-size", type=_positive, default=8, help="episodes per optimizer step")
+    p_sft.add_argument("--max-episode-tokens", type=_positive, default=2048)
+    p_sft.add_argument("--out", required=True, help="output directory (its model/ is loadable by eval)")
+    p_sft.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
+    add_training_arguments(p_sft, lr=1e-4)
+    p_sft.set_defaults(run=cmd_sft)
+
+    p_train = sub.add_parser("train", help="GRPO on environments, evaluated before and after on test tasks")
+    add_model_arguments(p_train)
+    p_train.add_argument("--env", action="append", required=True, help="environment spec (repeatable)")
+    p_train.add_argument("--steps", type=_positive, default=20)
+    p_train.add_argument("--out", required=True)
+    p_train.add_argument("--group-size", type=_positive, default=4)
+    p_train.add_argument("--tasks-per-step", type=_positive, default=4)
+    p_train.add_argument("--beta", type=float, default=0.0, help="KL coefficient to the start model")
+    p_train.add_argument("--clip-high", type=float, default=0.2)
+    p_train.add_argument("--eval-tasks", type=_positive, default=10, help="held-out test tasks per environment")
+    p_train.add_argument("-k", type=_positive, default=2, help="samples per evaluation task")
+    p_train.add_argument("--warmstart-episodes", type=int, default=0,
+                         help="behaviour-clone this many expert episodes first (cached and reused)")
+    p_train.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p_train.add_argument("--force", action="store_true", help="overwrite a run in --out")
+    add_rollout_arguments(p_train)
+    p_train.set_defaults(max_new_tokens=64, max_episode_tokens=2048, batch_episodes=32)
+    add_training_arguments(p_train, lr=2e-5)
+    p_train.set_defaults(run=cmd_train)
+
+    p_run = sub.add_parser("run", help="run a continual experiment from YAML")
+    p_run.add_argument("experiment", help="experiment YAML, e.g. experiments/quickstart.yaml")
+    p_run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.lr=1e-6 strategy=replay")
+    p_run.add_argument("--dry-run", action="store_true", help="print the plan without loading a model")
+    p_run.add_argument("--resume", action="store_true", help="continue interrupted runs after their last stage")
+    p_run.add_argument("--force", action="store_true", help="overwrite finished or unfinished runs")
+    p_run.set_defaults(run=cmd_run)
+
+    p_report = sub.add_parser("report", help="regenerate a run's report files")
+    p_report.add_argument("run", help="run directory")
+    p_report.set_defaults(run=cmd_report)
+
+    p_compare = sub.add_parser("compare", help="compare runs (mean ± std over seeds)")
+    p_compare.add_argument("runs", nargs="+", help="run directories")
+    p_compare.set_defaults(run=cmd_compare)
+
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from contrail.models import ModelNotFoundError
+    from contrail.results import RunExistsError
 
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (UnknownNameError, ModelNotFoundError, UsageError, ValueError) as error:
+    except (UnknownNameError, ModelNotFoundError, UsageError, ValueError, RunExistsError, FileNotFoundError) as error:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         print(f"contrail {args.command}: error: {message}", file=sys.stderr)
         return 2

@@ -153,12 +153,13 @@ def _checkpoint_model_dir(path: Path) -> Path:
     """Accept a model directory or a contrail output directory that contains one."""
     if (path / "config.json").exists() or (path / "adapter_config.json").exists():
         return path
-    for candidate in (path / "model", path / "final" / "model", path / "checkpoint" / "model"):
+    stages = sorted((path / "checkpoints").glob("stage-*/model"))  # a contrail run: its last stage
+    for candidate in [path / "model", *reversed(stages), path / "checkpoint" / "model"]:
         if (candidate / "config.json").exists() or (candidate / "adapter_config.json").exists():
             return candidate
     raise ModelNotFoundError(
         f"{path} holds no model: looked for config.json or adapter_config.json in it and in "
-        "model/, final/model/, checkpoint/model/"
+        "model/, checkpoints/stage-*/model/ (a run's last stage), checkpoint/model/"
     )
 
 
