@@ -31,9 +31,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
+import os
 import random
 import re
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import gymnasium
 import minigrid  # noqa: F401  (registers the BabyAI levels with gymnasium)
@@ -83,6 +87,7 @@ INSTRUCTION = (
     "Action:\ngo to red ball 1"
 )
 
+NOT_RECOGNIZED_MESSAGE = text.NOT_RECOGNIZED
 FORMAT_ERROR = "Your response must end with exactly one line of the form 'Action: <your action>'. Please check valid actions."
 DONE_MESSAGE = "The task is completed."
 FAILED_MESSAGE = "The task has failed."
@@ -129,7 +134,8 @@ def _quiet():
 
 # --- the expert's planner ----------------------------------------------------------------
 
-_MAX_REPLANS = 200  # subgoal rewrites per step before the bot is declared stuck
+_MAX_REPLANS = 200
+_TURN_DISCOUNT = 2  # plan steps a macro that lands facing the wrong way is worth less  # subgoal rewrites per step before the bot is declared stuck
 
 
 class _BotStuck(RuntimeError):
@@ -159,10 +165,10 @@ class _ExpertBot(BabyAIBot):
       hanging (seen on ``GoToImpUnlock`` and ``UnlockToUnlock``).
     """
 
-    def __init__(self, level, known: np.ndarray):
+    def __init__(self, level):
         self._keeps_carried = False
         super().__init__(level)
-        self.vis_mask |= known
+        self._reveal_reachable()
         self._hands_free_if_needed()
 
     def _process_instr(self, instr):
@@ -214,12 +220,76 @@ class _ExpertBot(BabyAIBot):
         self.stack.append(DropSubgoal(self))
         self.stack.append(GoNextToSubgoal(self, self._find_drop_pos()))
 
+    def _reveal_reachable(self) -> None:
+        """Mark as seen every cell the agent can reach without unlocking a door.
+
+        The expert is privileged: it knows the map up to the locked doors, so
+        it walks straight to what it needs instead of exploring. What lies
+        behind a locked door stays unknown until the door is open, because the
+        stock planner treats a seen target it cannot reach as an error.
+        """
+        grid = self.mission.unwrapped.grid
+        start = tuple(int(v) for v in self.mission.unwrapped.agent_pos)
+        seen, queue = {start}, deque([start])
+        while queue:
+            x, y = queue.popleft()
+            self.vis_mask[x, y] = True
+            cell = grid.get(x, y)
+            if cell is not None and (cell.type == "wall" or (cell.type == "door" and cell.is_locked)):
+                continue
+            for nx, ny in ((x + 1, y), (x - 1, y), (x, y + 1), (x, y - 1)):
+                if 0 <= nx < grid.width and 0 <= ny < grid.height and (nx, ny) not in seen:
+                    seen.add((nx, ny))
+                    queue.append((nx, ny))
+
+    def _shortest_path(self, accept_fn, try_with_blockers=False):
+        # The stock explorer opens every unlocked door it has not opened yet,
+        # to look behind it; with the map known up to the locked doors that
+        # only wastes moves, so it goes straight for the locked door instead.
+        if getattr(accept_fn, "__name__", "") == "unopened_unlocked_door":
+            return None, None, False
+        return super()._shortest_path(accept_fn, try_with_blockers)
+
+    def _breadth_first_search(self, initial_states, accept_fn, ignore_blockers):
+        """The stock search, except that closed (not locked) doors can be walked
+        through: the bot opens them on its way (`GoNextToSubgoal` does), and with
+        the whole map known a target behind a closed door must stay reachable."""
+        self.bfs_counter += 1
+        grid = self.mission.unwrapped.grid
+        queue = deque((state, None) for state in initial_states)
+        previous_pos: dict = {}
+        while queue:
+            (i, j, di, dj), prev_pos = queue.popleft()
+            if (i, j) in previous_pos:
+                continue
+            self.bfs_step_counter += 1
+            cell = grid.get(i, j)
+            previous_pos[(i, j)] = prev_pos
+            if accept_fn((i, j), cell):
+                path, pos = [], (i, j)
+                while pos:
+                    path.append(pos)
+                    pos = previous_pos[pos]
+                return path, (i, j), previous_pos
+            if not self.vis_mask[i, j]:
+                continue
+            if cell is not None:
+                if cell.type == "wall" or (cell.type == "door" and cell.is_locked):
+                    continue
+                if cell.type != "door" and not ignore_blockers:
+                    continue
+            # Straight ahead first, so paths prefer not to turn.
+            for k, l in ((di, dj), (dj, di), (-dj, -di), (-di, -dj)):
+                queue.append(((i + k, j + l, k, l), (i, j)))
+        return None, None, previous_pos
+
     def _check_erroneous_box_opening(self, action):
         # Opening a box is how KeyInBox is solved; the verifier, not the bot, judges it.
         return None
 
     def replan(self, action_taken=None):
-        """`BabyAIBot.replan` with a bound on plan rewrites."""
+        """`BabyAIBot.replan` with a bound on plan rewrites (and the map revealed)."""
+        self._reveal_reachable()
         self._process_obs()
         for subgoal in self.stack:
             subgoal.update_agent_attributes()
@@ -277,6 +347,10 @@ class _Pose:
             return _Pose(self.pos, self.direction, (*self.interactions, (action, self.pos, self.direction)))
         return self
 
+    def place(self) -> tuple:
+        """The pose without its direction."""
+        return self.pos, self.interactions
+
     def moved_to(self, level) -> "_Pose":
         """This pose with the agent's actual position (a blocked move stays put)."""
         return _Pose((int(level.agent_pos[0]), int(level.agent_pos[1])), int(level.agent_dir), self.interactions)
@@ -297,20 +371,22 @@ class _Reference:
     actions: list[int]
     reach: dict[_Pose, int]
     progress: list[tuple]
+    reach_any_direction: dict[tuple, int] = field(default_factory=dict)
 
     @classmethod
-    def plan(cls, level, known: np.ndarray) -> "_Reference":
+    def plan(cls, level) -> "_Reference":
         shadow = copy.deepcopy(level)
         pose = _pose_of(shadow)
         reference = cls([], {pose: 0}, [mission_progress(shadow)])
         try:
-            bot = _ExpertBot(shadow, known)
+            bot = _ExpertBot(shadow)
             action = bot.replan()
             while action != text.DONE and shadow.step_count < shadow.max_steps:
                 _, _, terminated, truncated, _ = shadow.step(action)
                 pose = pose.after(action).moved_to(shadow)
                 reference.actions.append(action)
                 reference.reach[pose] = len(reference.actions)
+                reference.reach_any_direction[pose.place()] = len(reference.actions)
                 reference.progress.append(mission_progress(shadow))
                 if terminated or truncated:
                     break
@@ -347,14 +423,17 @@ class BabyAIEnv(Env):
     """BabyAI levels behind AgentGym's text interface (see the module docstring).
 
     Options: ``max_turns`` (default 20), ``test_seeds`` (seeds per level in the
-    test split, default 10) and ``train_seeds`` (default 250).
+    test split, default 10), ``train_seeds`` (default 250) and ``filter_train``
+    (keep only expert-solvable train tasks too; slow the first time, default False).
     """
 
     name = "babyai"
     difficulties = ("easy", "hard")
     default_max_turns = 20
 
-    def __init__(self, max_turns: int | None = None, test_seeds: int = 10, train_seeds: int = 250) -> None:
+    def __init__(
+        self, max_turns: int | None = None, test_seeds: int = 10, train_seeds: int = 250, filter_train: bool = False
+    ) -> None:
         super().__init__(max_turns)
         if test_seeds < 1 or train_seeds < 1:
             raise ValueError(f"test_seeds and train_seeds must be >= 1, got {test_seeds} and {train_seeds}")
@@ -362,6 +441,7 @@ class BabyAIEnv(Env):
             raise ValueError(f"test_seeds must be <= {TRAIN_SEED_START} so test and train seeds stay disjoint")
         self.test_seeds = test_seeds
         self.train_seeds = train_seeds
+        self.filter_train = filter_train
         self._task: Task | None = None
         self._level = None
         self._done = True
@@ -380,6 +460,7 @@ class BabyAIEnv(Env):
         return range(TRAIN_SEED_START, TRAIN_SEED_START + self.train_seeds)
 
     def tasks(self, split: str, difficulty: str | None = None) -> list[Task]:
+        """Tasks of ``split``; test tasks are those the expert solves (see `solvable`)."""
         self.check_split(split, difficulty)
         found = []
         for seed in self.seeds(split):
@@ -387,6 +468,9 @@ class BabyAIEnv(Env):
                 label = level_difficulty(level)
                 if difficulty in (None, label):
                     found.append(Task(self.name, seed * len(LEVELS) + level - 1, split, label))
+        if split == "test" or self.filter_train:
+            keep = solvable([task.id for task in found], self.max_turns)
+            found = [task for task in found if keep[task.id]]
         return found
 
     # --- episodes -----------------------------------------------------------------------------
@@ -445,16 +529,21 @@ class BabyAIEnv(Env):
     def _expert_action(self) -> str:
         """The available macro that lands farthest along the bot's plan."""
         if not self._on_reference():
-            self._reference, self._trace = _Reference.plan(self._level, self._known), _pose_of(self._level)
+            self._reference, self._trace = _Reference.plan(self._level), _pose_of(self._level)
         reference, here = self._reference, self._reference.reach[self._trace]
-        best, best_reach = None, here
+        best, best_value = None, here
         for action, primitives in self._menu.actions.items():
+            if not primitives:
+                continue
             end = self._trace
             for primitive in primitives:
                 end = end.after(primitive)
-            reach = reference.reach.get(end, -1) if primitives else -1
-            if reach > best_reach:
-                best, best_reach = action, reach
+            # Landing on the plan exactly is best; landing on its path facing
+            # another way costs a replan and up to two turns, hence the discount.
+            value = reference.reach.get(end, -1)
+            value = max(value, reference.reach_any_direction.get(end.place(), -1) - _TURN_DISCOUNT)
+            if value > best_value:
+                best, best_value = action, value
         if best is not None:
             return best
         # No macro skips ahead: take the plan's next primitive as it is.
@@ -515,7 +604,7 @@ class BabyAIEnv(Env):
         action = normalise_action(lines[0])
         if action in self._menu.actions:
             return action, None
-        return action, self._menu.errors.get(action, text.NOT_RECOGNIZED)
+        return action, self._menu.errors.get(action, NOT_RECOGNIZED_MESSAGE)
 
     def _invalid(self, error: str, action: str | None) -> Step:
         return Step(f"{error}\n{self._menu.listing()}", valid=False, info=self._info(action))
@@ -556,3 +645,73 @@ def normalise_action(raw: str) -> str:
     if action.startswith("pick up "):
         action = "pickup " + action[len("pick up "):]
     return action
+
+
+# --- which tasks the expert solves ----------------------------------------------------------
+
+# Bump when the interface or the expert changes what can be solved.
+SOLVABLE_CACHE_VERSION = 1
+
+
+def expert_solves(task_id: int, max_turns: int) -> bool:
+    """Whether the expert solves task ``task_id`` within ``max_turns`` through `BabyAIEnv.step`."""
+    env = BabyAIEnv(max_turns=max_turns)
+    env.reset(Task(env.name, task_id, "test", level_difficulty(level_number(task_id))))
+    for _ in range(max_turns):
+        result = env.step(env.expert())
+        if result.done:
+            return result.success
+    return False
+
+
+def _cache_path() -> Path:
+    root = Path(os.environ.get("CONTRAIL_CACHE", Path.home() / ".cache" / "contrail"))
+    return root / f"babyai-solvable-v{SOLVABLE_CACHE_VERSION}-minigrid{minigrid.__version__}.json"
+
+
+_SOLVED: dict[tuple[int, int], bool] = {}
+
+
+def solvable(task_ids: list[int], max_turns: int) -> dict[int, bool]:
+    """``{id: expert_solves(id, max_turns)}``, cached in memory and on disk.
+
+    Some BabyAI tasks cannot be finished in the turn limit even by the expert
+    (long multi-room missions), and minigrid's strict verifier makes the
+    two-door missions of ``OpenDoorsOrderN4Debug`` unwinnable; the test split
+    keeps only the tasks the expert solves. A first run computes ~0.1 s per
+    task; the answers are stored under ``$CONTRAIL_CACHE`` (default
+    ``~/.cache/contrail``), keyed by minigrid's version.
+    """
+    missing = [i for i in task_ids if (i, max_turns) not in _SOLVED]
+    if missing:
+        _load_cache()
+        missing = [i for i in missing if (i, max_turns) not in _SOLVED]
+    for task_id in missing:
+        _SOLVED[(task_id, max_turns)] = expert_solves(task_id, max_turns)
+    if missing:
+        _save_cache()
+    return {i: _SOLVED[(i, max_turns)] for i in task_ids}
+
+
+def _load_cache() -> None:
+    try:
+        stored = json.loads(_cache_path().read_text())
+    except (OSError, ValueError):
+        return
+    for key, value in stored.items():
+        task_id, _, turns = key.partition("@")
+        if task_id.isdigit() and turns.isdigit():
+            _SOLVED.setdefault((int(task_id), int(turns)), bool(value))
+
+
+def _save_cache() -> None:
+    """Merge what is known into the cache file; a lost race only costs recomputation."""
+    path = _cache_path()
+    _load_cache()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({f"{i}@{turns}": solved for (i, turns), solved in sorted(_SOLVED.items())}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home still works, just without the disk cache
