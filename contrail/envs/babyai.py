@@ -6,6 +6,7 @@ writes ``Thought: ...`` then ``Action: <macro>``, and every observation ends
 with ``Available actions: [...]``. Macros (``go to red ball 1``,
 ``toggle and go through red closed door 1``, ...) expand into primitive moves
 along a shortest path over the cells seen so far (`contrail.envs.babyai_text`).
+The goal is minigrid's mission, verbatim.
 
 Task ids follow AgentGym: id ``i`` is level ``i % 40 + 1`` of `LEVELS` with
 seed ``i // 40``. On top of that:
@@ -20,10 +21,16 @@ KeyCorridor, Synth, Boss).
 Reward: ``1 - 0.9 * primitive_steps / max_steps`` (minigrid's own reward,
 ``max_steps`` the level's) on the step that solves the task, else 0.
 
-The expert is minigrid's `BabyAIBot` (with the two fixes in `_ExpertBot`),
-kept in sync with the episode; each turn it looks ahead on a copy of the
-level and the macro whose outcome matches the farthest point of its plan is
-written out.
+The test split keeps only the tasks the expert solves within the turn limit
+(see `solvable`): some long multi-room missions cannot be finished in 20
+macro turns, and minigrid's strict verifier fails every two-door mission of
+``OpenDoorsOrderN4Debug`` whatever the agent does. The train split keeps all
+tasks (``filter_train=True`` filters it too).
+
+The expert is privileged: minigrid's `BabyAIBot`, told the map up to the
+locked doors (`_ExpertBot`), plans the whole episode on a copy of the level;
+each turn the available macro that lands farthest along that plan is
+written out, and the plan is remade whenever the episode leaves it.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import gymnasium
-import minigrid  # noqa: F401  (registers the BabyAI levels with gymnasium)
+import minigrid  # also registers the BabyAI levels with gymnasium
 import numpy as np
 from minigrid.envs.babyai.core.verifier import AfterInstr, AndInstr, BeforeInstr, OpenInstr, PutNextInstr
 from minigrid.utils.baby_ai_bot import BabyAIBot, DropSubgoal, GoNextToSubgoal, Subgoal
@@ -364,20 +371,25 @@ def _pose_of(level) -> _Pose:
 class _Reference:
     """The bot's whole plan from one state, played on a copy of the level.
 
-    ``reach`` maps each pose the plan passes through to its last step index;
-    ``progress[i]`` is the mission progress after step ``i`` (index 0: start).
+    ``reach`` maps (pose, mission progress) at each step of the plan to the
+    last step index at which the plan is there (index 0: the start);
+    ``reach_any_direction`` does the same ignoring the direction.
     """
 
-    actions: list[int]
-    reach: dict[_Pose, int]
-    progress: list[tuple]
+    actions: list[int] = field(default_factory=list)
+    reach: dict[tuple, int] = field(default_factory=dict)
     reach_any_direction: dict[tuple, int] = field(default_factory=dict)
+
+    def record(self, pose: _Pose, progress: tuple) -> None:
+        self.reach[(pose, progress)] = len(self.actions)
+        self.reach_any_direction[(pose.place(), progress)] = len(self.actions)
 
     @classmethod
     def plan(cls, level) -> "_Reference":
         shadow = copy.deepcopy(level)
         pose = _pose_of(shadow)
-        reference = cls([], {pose: 0}, [mission_progress(shadow)])
+        reference = cls()
+        reference.record(pose, mission_progress(shadow))
         try:
             bot = _ExpertBot(shadow)
             action = bot.replan()
@@ -385,9 +397,7 @@ class _Reference:
                 _, _, terminated, truncated, _ = shadow.step(action)
                 pose = pose.after(action).moved_to(shadow)
                 reference.actions.append(action)
-                reference.reach[pose] = len(reference.actions)
-                reference.reach_any_direction[pose.place()] = len(reference.actions)
-                reference.progress.append(mission_progress(shadow))
+                reference.record(pose, mission_progress(shadow))
                 if terminated or truncated:
                     break
                 action = bot.replan()
@@ -407,13 +417,13 @@ _PHRASES = {
     "go through": ("I will go through the {obj}.", "The {obj} is open, so I walk through it.", "I pass through the {obj}."),
     "toggle and go through": (
         "I open the {obj} and go through it.",
-        "The {obj} is in my way, so I open it and pass.",
+        "I open the {obj} and pass through it.",
         "I will toggle the {obj} and walk through.",
     ),
     "toggle": ("I toggle what is right in front of me.", "I open what is in front of me.", "Toggling the thing ahead is next."),
     "turn left": ("I turn left to face where I need to go.", "Turning left is the way forward.", "I turn to my left."),
     "turn right": ("I turn right to face where I need to go.", "Turning right is the way forward.", "I turn to my right."),
-    "move forward": ("I move forward to see more of the room.", "I step forward.", "Moving ahead brings me closer."),
+    "move forward": ("I move forward.", "I step forward.", "Moving ahead is the way to go."),
     "check available actions": ("Let me check which actions I can take.",) * 3,
 }
 
@@ -530,18 +540,19 @@ class BabyAIEnv(Env):
         """The available macro that lands farthest along the bot's plan."""
         if not self._on_reference():
             self._reference, self._trace = _Reference.plan(self._level), _pose_of(self._level)
-        reference, here = self._reference, self._reference.reach[self._trace]
+        reference = self._reference
+        here = reference.reach[(self._trace, mission_progress(self._level))]
         best, best_value = None, here
         for action, primitives in self._menu.actions.items():
             if not primitives:
                 continue
-            end = self._trace
-            for primitive in primitives:
-                end = end.after(primitive)
+            end, progress = self._outcome(primitives)
             # Landing on the plan exactly is best; landing on its path facing
             # another way costs a replan and up to two turns, hence the discount.
-            value = reference.reach.get(end, -1)
-            value = max(value, reference.reach_any_direction.get(end.place(), -1) - _TURN_DISCOUNT)
+            value = max(
+                reference.reach.get((end, progress), -1),
+                reference.reach_any_direction.get((end.place(), progress), -1) - _TURN_DISCOUNT,
+            )
             if value > best_value:
                 best, best_value = action, value
         if best is not None:
@@ -554,11 +565,31 @@ class BabyAIEnv(Env):
         self._reference = None  # the plan is spent or unusable; plan afresh next turn
         return "turn left" if self._turn % 2 else "turn right"
 
+    def _outcome(self, primitives: tuple[int, ...]) -> tuple[_Pose, tuple]:
+        """The pose and mission progress after ``primitives``, without taking them.
+
+        Poses follow from the primitives alone; the progress of a sequenced
+        mission ("go to X, then go to Y") can change on the way, so those are
+        played on a copy of the level.
+        """
+        end = self._trace
+        for primitive in primitives:
+            end = end.after(primitive)
+        progress = mission_progress(self._level)
+        if not progress:
+            return end, progress
+        shadow = copy.deepcopy(self._level)
+        for primitive in primitives:
+            _, _, terminated, truncated, _ = shadow.step(primitive)
+            if terminated or truncated:
+                break
+        return end, mission_progress(shadow)
+
     def _on_reference(self) -> bool:
         """Whether the episode is still at a state the current plan passes through."""
-        if self._reference is None or self._trace not in self._reference.reach:
+        if self._reference is None:
             return False
-        return self._reference.progress[self._reference.reach[self._trace]] == mission_progress(self._level)
+        return (self._trace, mission_progress(self._level)) in self._reference.reach
 
     def _thought(self, action: str) -> str:
         """A short true sentence about ``action``, phrased one of a few ways."""
