@@ -146,7 +146,8 @@ class _Evaluator:
         model = self.trainer.model
         chat = ChatFormat.from_tokenizer(self.trainer.trainer.tokenizer)
         # Same seed at every stage: differences between rows come from the model, not the sampling.
-        backend = HFBackend(model, chat.stop_ids, self.trainer.trainer.tokenizer.pad_token_id, seed=self.seed + 10_007)
+        backend = HFBackend(model, chat.stop_ids, self.trainer.trainer.tokenizer.pad_token_id, seed=self.seed + 10_007,
+                            autocast_bf16=self.trainer.config.precision == "bf16")
         path = self.run_dir.trajectories_path(stage)
         path.unlink(missing_ok=True)
         return evaluate(backend, chat, self.tasks, self.make_env, k=self.eval.k, config=self.config,

@@ -162,3 +162,15 @@ def test_config_rejects_bad_combinations():
         GRPOConfig(temperature=0)
     with pytest.raises(ValueError, match="precision"):
         GRPOConfig(precision="fp8")
+
+
+def test_bf16_autocast_step_trains_fp32_master_weights():
+    tokenizer = tiny_tokenizer()
+    config = GRPOConfig(lr=1e-2, group_size=4, tasks_per_step=2, max_new_tokens=3, precision="bf16",
+                        skip_zero_advantage=False)
+    trainer = GRPOTrainer(tiny_model(tokenizer, seed=8), tokenizer, config, make_env, show_progress=False)
+    trainer._rollouts = lambda tasks: [_fake_traj(tokenizer, r) for r in [1.0, 0.0, 0.0, 1.0] * 2]
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    stats = trainer.step(CyclingSampler(train_tasks()))
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert stats["grad_norm"] > 0 and any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))

@@ -120,12 +120,15 @@ class HFBackend:
     """
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], pad_id: int, seed: int = 0,
-                 max_batch_size: int = 64, reuse_cache: bool = True):
+                 max_batch_size: int = 64, reuse_cache: bool = True, autocast_bf16: bool = False):
         self.model = model
         self.stop_ids = frozenset(stop_ids)
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
         self.reuse_cache = reuse_cache
+        # bf16 matrix products on fp32 weights (a training model): 4x faster on CPUs with
+        # AVX512-BF16, and what GPUs train with; weights are cast once per call (autocast cache).
+        self.autocast_bf16 = autocast_bf16
         self.generator = torch.Generator(device=self._device())
         self.generator.manual_seed(seed)
         self._session: _Session | None = None
@@ -168,13 +171,15 @@ class HFBackend:
     def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         was_training = self.model.training
         self.model.eval()
+        autocast = torch.autocast(self._device().type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
         try:
-            rows = self._session.match(prompts) if (self.reuse_cache and self._session) else None
-            if rows is None:
-                session, logits = self._prefill(prompts)
-            else:
-                session, logits = self._extend(self._session, rows, prompts)
-            generations = self._decode(session, prompts, logits, params)
+            with autocast:
+                rows = self._session.match(prompts) if (self.reuse_cache and self._session) else None
+                if rows is None:
+                    session, logits = self._prefill(prompts)
+                else:
+                    session, logits = self._extend(self._session, rows, prompts)
+                generations = self._decode(session, prompts, logits, params)
         finally:
             if was_training:
                 self.model.train()

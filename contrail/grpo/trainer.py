@@ -59,7 +59,8 @@ class GRPOTrainer:
         self.accelerator = self.trainer.accelerator
         self.chat = ChatFormat.from_tokenizer(tokenizer)
         self.backend = HFBackend(self.trainer.unwrapped, self.chat.stop_ids, tokenizer.pad_token_id,
-                                 seed=config.seed + 1000 * self.accelerator.process_index)
+                                 seed=config.seed + 1000 * self.accelerator.process_index,
+                                 autocast_bf16=config.precision == "bf16")
         self.reference = self._make_reference() if config.beta > 0 else None
         self.log_path = Path(log_dir) / "grpo_log.jsonl" if log_dir else None
         self.step_count = 0
@@ -207,7 +208,7 @@ class GRPOTrainer:
         for group in pack_by_tokens([len(s.ids) for s in samples], self.config.micro_batch_tokens):
             batch = collate([samples[i] for i in group], self.trainer.tokenizer.pad_token_id, self.accelerator.device)
             for key, model in models:
-                with self.accelerator.autocast(), self._reference_context(key):
+                with self.trainer.autocast(), self._reference_context(key):
                     logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask).float().cpu()
                 for row, index in enumerate(group):
                     samples[index].extras[key] = logprobs[row, : len(samples[index].ids)].tolist()

@@ -163,7 +163,7 @@ class MaskedTokenTrainer:
         for number, group in enumerate(groups):
             batch = collate([samples[i] for i in group], self.tokenizer.pad_token_id, self.accelerator.device)
             last = number == len(groups) - 1
-            with self._sync_gradients(last), self.accelerator.autocast():
+            with self._sync_gradients(last), self.autocast():
                 loss, stats = loss_fn(self.model, batch, normalizer)
             self.accelerator.backward(loss * scale)
             totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
@@ -177,6 +177,15 @@ class MaskedTokenTrainer:
         totals.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], micro_batches=len(groups),
                       tokens=local_tokens)
         return totals
+
+    def autocast(self):
+        """bf16 compute with fp32 master weights when ``precision == "bf16"`` (CPU and GPU).
+
+        Done here rather than through Accelerate's ``mixed_precision``, which is
+        fixed once per process: warm-start and GRPO may use different precisions.
+        """
+        return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16,
+                              enabled=self.config.precision == "bf16")
 
     def _sync_gradients(self, last: bool):
         """Skip the gradient all-reduce on every micro-batch but the last (one sync per step)."""
@@ -247,14 +256,13 @@ class MaskedTokenTrainer:
 
 
 def make_accelerator(config: TrainConfig, log_dir: str | Path | None = None) -> Accelerator:
-    """An Accelerator with the configured precision, logging to TensorBoard when installed."""
+    """An Accelerator logging to TensorBoard when installed (precision is the trainer's autocast)."""
     import importlib.util
 
     trackers = []
     if log_dir is not None and importlib.util.find_spec("tensorboard") is not None:
         trackers = ["tensorboard"]
-    precision = "bf16" if config.precision == "bf16" else "no"
-    accelerator = Accelerator(mixed_precision=precision, log_with=trackers or None,
+    accelerator = Accelerator(log_with=trackers or None,
                               project_dir=str(log_dir) if log_dir else None)
     if trackers:
         accelerator.init_trackers("contrail", config={k: str(v) for k, v in config.__dict__.items()})
