@@ -94,7 +94,7 @@ def _describe_model(cfg: ExperimentConfig) -> str:
     if m.warmstart is not None:
         w = m.warmstart
         text += (
-            f"; warm-start on {', '.join(w.envs)}: {w.episodes} expert episodes each, "
+            f"; warm-start on {', '.join(w.envs)}: {w.episodes} expert episodes in all (split evenly), "
             f"{w.epochs} epochs, lr {w.lr:g}"
         )
     return text

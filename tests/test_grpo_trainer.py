@@ -174,3 +174,15 @@ def test_bf16_autocast_step_trains_fp32_master_weights():
     stats = trainer.step(CyclingSampler(train_tasks()))
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert stats["grad_norm"] > 0 and any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_several_updates_per_batch_use_the_rollout_policy_as_old():
+    tokenizer = tiny_tokenizer()
+    config = GRPOConfig(lr=5e-2, group_size=4, tasks_per_step=2, max_new_tokens=3, ppo_epochs=2, minibatches=2,
+                        skip_zero_advantage=False)
+    trainer = GRPOTrainer(tiny_model(tokenizer, seed=9), tokenizer, config, make_env, show_progress=False)
+    trainer._rollouts = lambda tasks: [_fake_traj(tokenizer, r) for r in [1.0, 0.0, 0.0, 1.0] * 2]
+    stats = trainer.step(CyclingSampler(train_tasks()))
+    assert stats["micro_batches"] >= 1
+    # Four optimizer steps on one batch: later ones see a moved policy, so the mean ratio leaves 1.
+    assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-7)

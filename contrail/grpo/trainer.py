@@ -183,10 +183,20 @@ class GRPOTrainer:
             local = float(sum(1 for s in batch if any(s.mask)))
         return max(self.trainer.sum_over_processes(local), 1.0)
 
+    @property
+    def _single_update(self) -> bool:
+        """One optimizer step per rollout batch: the old policy *is* the current one."""
+        return self.config.ppo_epochs * self.config.minibatches == 1
+
     def _loss(self, model, batch: Batch, normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
-        logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, return_entropy=True)
+        # Logits only from the first generated token on: the prompt's would be discarded.
+        start = _first_masked_position(batch.loss_mask)
+        logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=start,
+                                              return_entropy=True)
+        # With a single update the ratio is exactly 1 at this point (as TRL does): no extra forward.
+        old = logprobs.detach() if self._single_update else batch.token_extra("old_logprobs")
         loss, stats = policy_loss(
-            logprobs, batch.token_extra("old_logprobs"), batch.sample_extra("advantage"), batch.loss_mask,
+            logprobs, old, batch.sample_extra("advantage"), batch.loss_mask,
             clip_low=self.config.clip_low, clip_high=self.config.clip_high, aggregation=self.config.aggregation,
             ref_logprobs=batch.token_extra("ref_logprobs") if self.reference is not None else None,
             beta=self.config.beta, entropy=entropy if self.config.entropy_coef > 0 else entropy.detach(),
@@ -201,15 +211,18 @@ class GRPOTrainer:
         Recomputed with the training forward rather than taken from the
         sampler, so the first update's ratio is exactly 1 (as TRL and verl do).
         """
-        models = [("old_logprobs", self.trainer.model)]
+        models = [] if self._single_update else [("old_logprobs", self.trainer.model)]
         if self.reference is not None:
             models.append(("ref_logprobs", self.reference))
+        if not models:
+            return
         self.trainer.model.eval()
         for group in pack_by_tokens([len(s.ids) for s in samples], self.config.micro_batch_tokens):
             batch = collate([samples[i] for i in group], self.trainer.tokenizer.pad_token_id, self.accelerator.device)
             for key, model in models:
                 with self.trainer.autocast(), self._reference_context(key):
-                    logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask).float().cpu()
+                    logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask,
+                                                 start=_first_masked_position(batch.loss_mask)).float().cpu()
                 for row, index in enumerate(group):
                     samples[index].extras[key] = logprobs[row, : len(samples[index].ids)].tolist()
 
@@ -234,6 +247,12 @@ class GRPOTrainer:
         if self.log_path is not None and self.accelerator.is_main_process:
             with open(self.log_path, "a", encoding="utf-8") as sink:
                 sink.write(json.dumps(stats) + "\n")
+
+
+def _first_masked_position(mask: torch.Tensor) -> int:
+    """The earliest position any row trains on (at least 1: position 0 has no predecessor)."""
+    columns = torch.nonzero(mask.any(dim=0))
+    return max(int(columns[0]) if len(columns) else 1, 1)
 
 
 def _rollout_stats(trajectories: list[Trajectory]) -> dict[str, float]:
