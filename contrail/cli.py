@@ -2,6 +2,7 @@
 
     contrail envs                          list environments, difficulties, task counts
     contrail eval  --model M --env E ...   evaluate a model on test tasks
+    contrail audit --env E ...             expert and random-action success through the model's parsing path
     contrail sft   --model M --env E ...   behaviour cloning on expert demonstrations (warm-start)
     contrail train --model M --env E ...   GRPO on some environments, evaluated before and after
     contrail run experiments/x.yaml [k=v]  a continual experiment (or an ablation family) from YAML
@@ -26,7 +27,8 @@ from rich.table import Table
 from contrail import envs
 from contrail.envs.base import UnknownNameError
 
-console = Console()
+# Wide tables when printing to a file or a pipe (rich would otherwise assume 80 columns).
+console = Console() if sys.stdout.isatty() else Console(width=150)
 
 
 class UsageError(Exception):
@@ -126,6 +128,30 @@ def print_results(results, title: str) -> None:
         table.add_row(name, str(r.tasks), f"{r.avg_at_k:.3f}", f"{r.pass_at_k:.3f}", f"{r.reward:.3f}",
                       f"{r.turns:.1f}", f"{r.generated_tokens:.0f}", f"{r.invalid_rate:.1%}", str(r.errors))
     console.print(table)
+
+
+# --- contrail audit ---------------------------------------------------------------
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Expert and random-valid-action success through the same rollout path a model uses."""
+    from contrail.agent import ChatFormat, RolloutConfig
+    from contrail.agent.scripted import ExpertBackend, RandomBackend
+    from contrail.evaluation import evaluate
+    from contrail.models import load_tokenizer
+    from contrail.stream import Experience, env_factory
+
+    chat = ChatFormat.from_tokenizer(load_tokenizer(args.tokenizer))
+    experiences = [Experience.from_spec(spec, test_tasks=args.tasks, train_tasks=args.tasks, seed=args.seed)
+                   for spec in _checked_specs(args.env)]
+    tasks = {e.name: (e.test_tasks if args.split == "test" else e.train_tasks) for e in experiences}
+    config = RolloutConfig(max_new_tokens=1024, max_episode_tokens=args.max_episode_tokens)
+    for label, backend, k in (("expert", ExpertBackend(chat), 1), ("random valid actions", RandomBackend(chat, args.seed), args.k)):
+        start = time.perf_counter()
+        results = evaluate(backend, chat, tasks, env_factory(experiences), k=k, config=config,
+                           description=f"{label} on {args.split} tasks")
+        print_results(results, title=f"{label} ({args.split}, k={k}, {time.perf_counter() - start:.1f} s)")
+    return 0
 
 
 # --- contrail sft ----------------------------------------------------------------
@@ -282,6 +308,16 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--out", default=None, help="output directory (default runs/eval/<time>)")
     add_rollout_arguments(p_eval)
     p_eval.set_defaults(run=cmd_eval)
+
+    p_audit = sub.add_parser("audit", help="expert and random-action success through the model's parsing path")
+    p_audit.add_argument("--env", action="append", required=True, help="environment spec (repeatable)")
+    p_audit.add_argument("--split", default="test", choices=["train", "test"])
+    p_audit.add_argument("--tasks", type=_positive, default=None, help="tasks per environment (default: all)")
+    p_audit.add_argument("-k", type=_positive, default=4, help="random-action samples per task")
+    p_audit.add_argument("--seed", type=int, default=0)
+    p_audit.add_argument("--max-episode-tokens", type=_positive, default=32768)
+    p_audit.add_argument("--tokenizer", default="smollm2-135m", help="whose tokenizer renders the episodes")
+    p_audit.set_defaults(run=cmd_audit)
 
     p_sft = sub.add_parser("sft", help="behaviour cloning on expert demonstrations (training tasks only)")
     add_model_arguments(p_sft)
