@@ -131,6 +131,11 @@ def sequence_logprobs(
     # Same position ids as generation with left padding (cumsum of the mask).
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    if _right_padded(attention_mask):
+        # Causal attention already keeps real tokens from seeing trailing pads, so the
+        # mask can go: attention then takes its fused causal kernel instead of the
+        # explicit-mask path that stores a (length x length) matrix per layer.
+        del kwargs["attention_mask"]
     keep = length - start + 1  # logits at positions start-1 .. L-1; the last predicts nothing
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
         kwargs["logits_to_keep"] = keep
@@ -145,6 +150,12 @@ def sequence_logprobs(
         return logprobs
     entropies = _place(token_entropy(logits, chunk_size), valid, start, length)
     return logprobs, entropies
+
+
+def _right_padded(attention_mask: torch.Tensor) -> bool:
+    """True when every row is real tokens followed only by padding (ones, then zeros)."""
+    mask = attention_mask.bool()
+    return bool((mask[:, 1:] <= mask[:, :-1]).all())
 
 
 def _place(values: torch.Tensor, valid: torch.Tensor, start: int, length: int) -> torch.Tensor:
