@@ -253,7 +253,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             ws = one.model.warmstart
             warm = WarmStart(DemoSpec(envs=tuple(ws.envs), episodes=ws.episodes, seed=ws.seed,
                                       max_episode_tokens=ws.max_episode_tokens),
-                             SFTConfig(lr=ws.lr, epochs=ws.epochs, seed=ws.seed))
+                             SFTConfig(lr=ws.lr, epochs=ws.epochs, seed=ws.seed, batch_size=ws.batch_size,
+                                       precision=ws.precision))
         result = run(build_stream(one), build_strategy(one), model=one.model.name, out=one.out, grpo=one.grpo,
                      eval=one.eval, warm_start=warm, dtype=one.model.dtype, device=resolve_device(one.model.device),
                      seed=one.seed, resume=args.resume, force=args.force, config=to_dict(one))

@@ -88,11 +88,15 @@ class WarmStartConfig:
     lr: float = 1e-4
     max_episode_tokens: int = 2048
     seed: int = 0
+    batch_size: int = 8
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be fp32 or bf16, got {self.precision!r}")
         if not self.envs:
             raise ValueError("envs must name at least one environment spec (e.g. [babyai:easy])")
-        _positive(self, "episodes", "epochs", "max_episode_tokens")
+        _positive(self, "episodes", "epochs", "max_episode_tokens", "batch_size")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
