@@ -359,7 +359,7 @@ def test_quickstart_is_small_and_paper_scale_uses_agentgym_settings(monkeypatch)
     quick = load_experiment(root / "quickstart.yaml")
     assert quick.model.name == "smollm2-135m" and quick.model.device == "cpu" and quick.model.warmstart
     assert quick.stream.train == ["babyai:easy", "textcraft:easy"] and quick.stream.test_tasks <= 8
-    assert (quick.grpo.group_size, quick.grpo.tasks_per_step, quick.stream.steps_per_experience) == (4, 2, 3)
+    assert (quick.grpo.group_size, quick.grpo.tasks_per_step, quick.stream.steps_per_experience) == (4, 2, 2)
     assert quick.eval.k == 2
     ablation = load_experiment(root / "ordering_ablation.yaml")
     assert len(expand_runs(ablation)) == 6 * 3
