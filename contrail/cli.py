@@ -211,8 +211,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     result = run(stream, Mixture(seed=args.seed), model=args.model, out=args.out, grpo=grpo, eval=evaluation,
                  warm_start=warm, dtype=args.dtype, device=resolve_device(args.device), seed=args.seed,
                  resume=args.resume, force=args.force)
-    print_run(result)
+    if _is_main_process():
+        print_run(result)
     return 0
+
+
+def _is_main_process() -> bool:
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
 
 
 def print_run(result) -> None:
@@ -258,8 +265,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         result = run(build_stream(one), build_strategy(one), model=one.model.name, out=one.out, grpo=one.grpo,
                      eval=one.eval, warm_start=warm, dtype=one.model.dtype, device=resolve_device(one.model.device),
                      seed=one.seed, resume=args.resume, force=args.force, config=to_dict(one))
-        print_run(result)
-    if len(runs) > 1:
+        if _is_main_process():
+            print_run(result)
+    if len(runs) > 1 and _is_main_process():
         console.print(compare([one.out for one in runs]), markup=False)
     console.print(f"wall time: {time.perf_counter() - started:.0f} s")
     return 0

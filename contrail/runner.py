@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from accelerate import PartialState
 
 from contrail.agent.backend import HFBackend
 from contrail.agent.chat import ChatFormat
@@ -88,9 +89,14 @@ def run(
     """
     grpo = grpo or GRPOConfig(seed=seed)
     eval = eval or EvalConfig()
+    # Under `accelerate launch` every process trains; only the main one evaluates and writes.
+    processes = PartialState()
+    main = processes.is_main_process
     run_dir = RunDir(out)
-    run_dir.start(config or _default_config(stream, strategy, model, grpo, eval, warm_start, dtype, seed),
-                  resume=resume, force=force)
+    if main:
+        run_dir.start(config or _default_config(stream, strategy, model, grpo, eval, warm_start, dtype, seed),
+                      resume=resume, force=force)
+    processes.wait_for_everyone()
 
     start_model = str(warmstart(model, warm_start.demos, warm_start.sft, dtype, show_progress)) if warm_start else model
     base_success = _base_success(stream, strategy, start_model, eval, dtype, device, seed)
@@ -99,7 +105,8 @@ def run(
     plan = to_plan_json(stream, stages, start_model=start_model,
                         warmstart=_describe_warm_start(warm_start, model))
     plan["base_success"] = base_success
-    _write_json(run_dir.path / "plan.json", plan)
+    if main:
+        _write_json(run_dir.path / "plan.json", plan)
 
     done = run_dir.completed_stages()  # -1: nothing yet; 0: row 0 only; s: stage s finished
     load_from = str(run_dir.checkpoint_dir(done) / "model") if done >= 1 else start_model
@@ -111,9 +118,10 @@ def run(
         console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
     evaluator = _Evaluator(trainer, stream, eval, seed, run_dir, show_progress)
 
-    if done < 0:
+    if done < 0 and main:
         row0 = "warm-start" if warm_start else "untouched"
         _record(run_dir, 0, row0, [], evaluator(0), {}, 0.0)
+    processes.wait_for_everyone()
     for stage in stages[max(done, 0):]:
         started = time.perf_counter()
         # Checkpoints are written at stage ends and every stage has its own seeded
@@ -122,12 +130,15 @@ def run(
         history = trainer.train(stage.sampler, stage.steps, description=f"stage {stage.index}/{len(stages)} {stage.name}")
         strategy.after_stage(stage, trainer)
         trainer.save(run_dir.checkpoint_dir(stage.index), sampler=stage.sampler, extra={"stage": stage.index})
-        _drop_optimizer_state(run_dir, stage.index)
-        _record(run_dir, stage.index, stage.name, stage.experiences, evaluator(stage.index),
-                _train_summary(history), time.perf_counter() - started)
-    run_dir.mark_finished()
+        if main:
+            _drop_optimizer_state(run_dir, stage.index)
+            _record(run_dir, stage.index, stage.name, stage.experiences, evaluator(stage.index),
+                    _train_summary(history), time.perf_counter() - started)
+        processes.wait_for_everyone()
     trainer.accelerator.end_training()
-    _write_report(run_dir.path)
+    if main:
+        run_dir.mark_finished()
+        _write_report(run_dir.path)
     return RunResult(run_dir.path, [e.name for e in stream.test], trained_at, run_dir.rows())
 
 
@@ -153,7 +164,7 @@ class _Evaluator:
         return evaluate(backend, chat, self.tasks, self.make_env, k=self.eval.k, config=self.config,
                         batch_episodes=self.eval.batch_episodes, trajectories_path=path,
                         description=f"evaluating after stage {stage}" if stage else "evaluating the start model",
-                        show_progress=self.show_progress and self.trainer.accelerator.is_main_process)
+                        show_progress=self.show_progress)
 
 
 def _record(run_dir: RunDir, stage: int, name: str, trained: list[str], results: dict[str, EvalResult],

@@ -72,15 +72,17 @@ def train_sft(model_name: str, demos: DemoSpec, out: str | Path, config: SFTConf
             for begin in range(0, len(order), config.batch_size):
                 batch = [samples[i] for i in order[begin:begin + config.batch_size]]
                 stats = trainer.step(batch[rank::world] or batch[:1], cross_entropy_loss)
-                record = {"epoch": epoch, "step": trainer.global_step, **stats}
-                log.write(json.dumps(record) + "\n")
+                if trainer.accelerator.is_main_process:
+                    log.write(json.dumps({"epoch": epoch, "step": trainer.global_step, **stats}) + "\n")
+                    log.flush()
                 trainer.accelerator.log(stats, step=trainer.global_step)
                 progress.step_done(f"loss/token {stats['nll_per_token']:.3f}")
             trainer.save(checkpoint, extra={"epoch": epoch})
     model_dir = trainer.save_model(out / "model")
     summary = {"model": model_name, "demonstrations": made, "config": asdict(config),
                "steps": trainer.global_step, "wall_seconds": time.perf_counter() - start}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if trainer.accelerator.is_main_process:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     trainer.accelerator.end_training()
     return model_dir
 
