@@ -12,7 +12,6 @@ as safetensors in the cache, so every later load is a plain, fast load.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from contrail.paths import cache_root
 
 import torch
 
@@ -35,7 +36,7 @@ class ModelNotFoundError(FileNotFoundError):
 
 def cache_dir() -> Path:
     """contrail's cache root: ``$CONTRAIL_CACHE`` or ``~/.cache/contrail``."""
-    return Path(os.environ.get("CONTRAIL_CACHE", Path.home() / ".cache" / "contrail"))
+    return cache_root()
 
 
 @dataclass(frozen=True)

