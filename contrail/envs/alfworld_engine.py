@@ -8,6 +8,10 @@ the gym batching, with two costs removed:
   textworld does it twice on ``load`` and twice more on every ``reset``. The
   translation depends only on the game file, so it is done once per game and
   kept in a small LRU cache (a GRPO group replays the same game many times).
+- textworld interns every ``Proposition`` and ``Signature`` it builds in a
+  process-wide dict (``mementos``) that is never emptied: a few thousand per
+  game, so memory grows with every new game played. Both classes compare by
+  value, so the dict is cleared whenever it grows past a bound.
 - Every ``PddlEnv`` loads a private copy of fast-downward's 33 MB shared
   library (the library keeps one global search state) and a loaded library is
   never unloaded. Engines therefore live in a process-wide pool: an episode
@@ -34,6 +38,7 @@ from textworld.logic import Proposition, Variable
 from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
 _CACHED_GAMES = 32
+_INTERNED_LIMIT = 50_000  # about 20 games' propositions
 
 
 @dataclass
@@ -68,6 +73,14 @@ class _TranslationCache:
             while len(self._items) > self.capacity:
                 self._items.popitem(last=False)
         return translation
+
+
+def _bound_interned_propositions() -> None:
+    """Empty textworld's intern table of propositions once it is large (they compare by value)."""
+    import mementos.core
+
+    if len(mementos.core._memento_cache) > _INTERNED_LIMIT:
+        mementos.core._memento_cache.clear()
 
 
 def _translate(game: dict) -> _Translation:
@@ -144,6 +157,7 @@ class _TranslatedPddlEnv(PddlEnv):
             with open(filename_or_data) as handle:
                 data = json.load(handle)
             self._game_file = filename_or_data
+        _bound_interned_propositions()
         self._game_data = data
         self.walkthrough = data.get("walkthrough")
         self._translation = _TRANSLATIONS.get(data)

@@ -322,3 +322,26 @@ def test_games_in_the_0_3_3_grammar_accept_both_forms(tmp_path):
     for rewrite in (lambda a: a, lambda a: re.sub(r"^put (.+) in/on (.+)$", r"move \1 to \2", a)):
         old = make("alfworld", game_files=[str(path)])
         assert play_expert(old, old.tasks("test")[0], rewrite)[-1].success
+
+
+def test_textworld_intern_table_is_emptied_between_games(env, one_task_per_type, monkeypatch):
+    """textworld interns every proposition forever; the engine empties that table once it is large."""
+    import mementos.core
+    from textworld.logic import Proposition
+
+    from contrail.envs import alfworld_engine
+
+    def interned_names():
+        return {
+            argument.name
+            for value in list(mementos.core._memento_cache.values())
+            if isinstance(value, Proposition)
+            for argument in value.arguments
+            if "_bar_" in argument.name  # THOR ids: unique to a floor plan
+        }
+
+    monkeypatch.setattr(alfworld_engine, "_INTERNED_LIMIT", 1)
+    env.reset(one_task_per_type["pick_and_place_simple"])  # a kitchen
+    kitchen = interned_names()
+    env.reset(one_task_per_type["look_at_obj_in_light"])  # a living room or bedroom
+    assert kitchen and not kitchen & interned_names()
