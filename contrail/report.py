@@ -166,7 +166,7 @@ def _markdown(data: RunData) -> str:
     if warm:
         lines.append(
             f"- warm-start: behaviour cloning on expert episodes of {', '.join(warm.get('envs', []))} "
-            f"({warm.get('episodes', '?')} episodes each, {warm.get('epochs', '?')} epochs, lr {warm.get('lr', '?')}) "
+            f"({warm.get('episodes', '?')} episodes in all, {warm.get('epochs', '?')} epochs, lr {warm.get('lr', '?')}) "
             "before stage 1; row 0 is the warm-started model"
         )
     status = "finished" if RunDir(data.path).finished() else "in progress or interrupted"

@@ -49,7 +49,7 @@ def test_full_report(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     md = paths[0].read_text()
     assert "# demo" in md and "stages recorded: 2 of 2 (finished)" in md
-    assert "warm-start: behaviour cloning on expert episodes of a:easy (60 episodes each, 2 epochs" in md
+    assert "warm-start: behaviour cloning on expert episodes of a:easy (60 episodes in all, 2 epochs" in md
     for title in ("avg@k", "pass@k", "reward", "invalid-action rate"):
         assert f"## {title} after each stage" in md
     assert "| after stage | a:easy (trained s1) | b:easy (trained s2) | c:easy (held out) |" in md

@@ -265,7 +265,7 @@ def make_accelerator(config: TrainConfig, log_dir: str | Path | None = None) -> 
     accelerator = Accelerator(log_with=trackers or None,
                               project_dir=str(log_dir) if log_dir else None)
     if trackers:
-        accelerator.init_trackers("contrail", config={k: str(v) for k, v in config.__dict__.items()})
+        accelerator.init_trackers("tensorboard", config={k: str(v) for k, v in config.__dict__.items()})
     return accelerator
 
 
