@@ -189,8 +189,10 @@ def rollout(
         reset_cache()  # a kept KV cache belongs to other episodes (and maybe older weights)
     episodes = [_start(task, sample, make_env, chat, config) for task, sample in zip(tasks, samples)]
     for episode in episodes:
-        if episode.done and on_episode:
-            on_episode(episode.trajectory)
+        if episode.done:  # failed to start or over the token limit at once
+            _close(episode)
+            if on_episode:
+                on_episode(episode.trajectory)
     params = config.sampling()
     while True:
         live = [e for e in episodes if not e.done]
