@@ -140,9 +140,6 @@ class HFBackend:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def reseed(self, seed: int) -> None:
-        self.generator.manual_seed(seed)
-
     def generator_state(self) -> torch.Tensor:
         return self.generator.get_state()
 

@@ -16,7 +16,7 @@ other episodes go on).
 from __future__ import annotations
 
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from contrail.agent.backend import Backend, SamplingParams
@@ -94,7 +94,6 @@ class _Episode:
     trajectory: Trajectory
     turn_limit: int
     done: bool = False
-    last_valid: list[bool] = field(default_factory=list)
 
     def extend(self, ids: list[int], mask_value: int, logprobs: list[float] | None = None) -> None:
         traj = self.trajectory
