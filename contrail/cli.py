@@ -300,8 +300,15 @@ def add_training_arguments(parser: argparse.ArgumentParser, lr: float) -> None:
 # --- the parser ------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is one `--help` away)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="contrail", description="Continual RL for LLM agents across environments.")
+    parser = _Parser(prog="contrail", description="Continual RL for LLM agents across environments.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_envs = sub.add_parser("envs", help="list environments with their difficulties and task counts")
