@@ -140,6 +140,10 @@ class HFBackend:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def reseed(self, seed: int) -> None:
+        """Restart sampling from ``seed`` (same prompts then give the same samples)."""
+        self.generator.manual_seed(seed)
+
     def generator_state(self) -> torch.Tensor:
         return self.generator.get_state()
 
