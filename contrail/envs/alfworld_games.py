@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from contrail.envs.alfworld_expert import Goal  # the same goal the expert reads back from a problem
+
 TASK_TYPES = (
     "pick_and_place_simple",
     "look_at_obj_in_light",
@@ -178,14 +180,6 @@ def load_scene(floor_plan: int) -> Scene:
 
 
 # --- goals ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Goal:
-    task_type: str
-    object_type: str
-    receptacle_type: str | None = None
-    toggle_type: str | None = None
 
 
 def _object_candidates(task_type: str, scene: Scene) -> list[str]:
