@@ -364,9 +364,6 @@ def _apply_override(tree: dict[str, Any], override: str, sources: _Sources) -> N
 # --- typed conversion -------------------------------------------------------------
 
 
-_NULLABLE = {(GRPOConfig, "max_grad_norm")}  # annotated float, documented as "None disables clipping"
-
-
 def _experiment(data: dict[str, Any], sources: _Sources) -> ExperimentConfig:
     if isinstance(data.get("grpo"), dict) and "seed" in data["grpo"]:
         raise ConfigError(f"{sources.of('grpo.seed')}: grpo.seed: set the top-level seed (or seeds) instead")
@@ -397,9 +394,6 @@ def _build(cls: type, data: Any, prefix: str, sources: _Sources) -> Any:
                 raise ConfigError(f"{sources.of(key)}: {key}: missing required key")
             continue
         value = data[name]
-        if value is None and (cls, name) in _NULLABLE:
-            kwargs[name] = None
-            continue
         kwargs[name] = _coerce(value, hints[name], key, sources)
     try:
         return cls(**kwargs)

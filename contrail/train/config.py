@@ -18,7 +18,7 @@ class TrainConfig:
     lr: float = 1e-5
     weight_decay: float = 0.0
     warmup_steps: int = 0
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | None = 1.0  # None disables clipping
     micro_batch_tokens: int = 4096
     precision: str = "fp32"
     gradient_checkpointing: bool = False
