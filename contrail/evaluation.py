@@ -73,6 +73,18 @@ def summarize(trajectories: list[Trajectory], k: int) -> EvalResult:
     )
 
 
+def _interleave(experiences: dict[str, list[Task]], k: int) -> list[tuple[str, Task, int]]:
+    """Every (experience, task, sample), round-robin over experiences, first samples first.
+
+    Each batch then mixes environments and their turn counts rather than one
+    long-episode environment filling a batch.
+    """
+    jobs = [(sample, position, order, name, task)
+            for order, (name, tasks) in enumerate(experiences.items())
+            for position, task in enumerate(tasks) for sample in range(k)]
+    return [(name, task, sample) for sample, _, _, name, task in sorted(jobs, key=lambda job: job[:3])]
+
+
 def evaluate(
     backend: Backend,
     chat: ChatFormat,
@@ -94,9 +106,7 @@ def evaluate(
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    jobs = [(name, task, sample) for name, tasks in experiences.items() for task in tasks for sample in range(k)]
-    # Interleave experiences so each batch mixes environments (and their turn counts).
-    jobs.sort(key=lambda job: (job[2], job[1].id % 997, job[0]))
+    jobs = _interleave(experiences, k)
     results: dict[str, list[Trajectory]] = {name: [] for name in experiences}
     sink = open(trajectories_path, "a", encoding="utf-8") if trajectories_path else None
     try:
