@@ -19,9 +19,12 @@ class Policy:
     backend: HFBackend
 
     @classmethod
-    def from_model(cls, model, tokenizer, seed: int = 0, max_batch_size: int = 64) -> "Policy":
+    def from_model(cls, model, tokenizer, seed: int = 0, max_batch_size: int = 64,
+                   autocast_bf16: bool = False) -> "Policy":
+        """Wrap a loaded model; ``autocast_bf16`` samples in bf16 from fp32 (training) weights."""
         chat = ChatFormat.from_tokenizer(tokenizer)
-        backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=seed, max_batch_size=max_batch_size)
+        backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=seed, max_batch_size=max_batch_size,
+                            autocast_bf16=autocast_bf16)
         return cls(model, tokenizer, chat, backend)
 
     @classmethod

@@ -21,8 +21,6 @@ from typing import Any
 import numpy as np
 from accelerate import PartialState
 
-from contrail.agent.backend import HFBackend
-from contrail.agent.chat import ChatFormat
 from contrail.agent.rollout import RolloutConfig
 from contrail.config import EvalConfig
 from contrail.evaluation import EvalResult, evaluate, select_tasks
@@ -31,6 +29,7 @@ from contrail.grpo.config import GRPOConfig
 from contrail.grpo.trainer import GRPOTrainer
 from contrail.metrics import summarize
 from contrail.models import load_model
+from contrail.policy import Policy
 from contrail.progress import console
 from contrail.results import RunDir, result_matrix
 from contrail.strategies import Strategy
@@ -154,14 +153,12 @@ class _Evaluator:
         self.config = RolloutConfig(eval.max_new_tokens, eval.max_episode_tokens, eval.temperature, 1.0, eval.max_turns)
 
     def __call__(self, stage: int) -> dict[str, EvalResult]:
-        model = self.trainer.model
-        chat = ChatFormat.from_tokenizer(self.trainer.trainer.tokenizer)
         # Same seed at every stage: differences between rows come from the model, not the sampling.
-        backend = HFBackend(model, chat.stop_ids, self.trainer.trainer.tokenizer.pad_token_id, seed=self.seed + 10_007,
-                            autocast_bf16=self.trainer.config.precision == "bf16")
+        policy = Policy.from_model(self.trainer.model, self.trainer.trainer.tokenizer, seed=self.seed + 10_007,
+                                   autocast_bf16=self.trainer.config.precision == "bf16")
         path = self.run_dir.trajectories_path(stage)
         path.unlink(missing_ok=True)
-        return evaluate(backend, chat, self.tasks, self.make_env, k=self.eval.k, config=self.config,
+        return evaluate(policy.backend, policy.chat, self.tasks, self.make_env, k=self.eval.k, config=self.config,
                         batch_episodes=self.eval.batch_episodes, trajectories_path=path,
                         description=f"evaluating after stage {stage}" if stage else "evaluating the start model",
                         show_progress=self.show_progress)
@@ -198,8 +195,6 @@ def _base_success(stream: Stream, strategy: Strategy, model: str, eval: EvalConf
     """The start model's success on a few training tasks per experience, when the strategy asks for it."""
     if not getattr(strategy, "needs_base_success", False):
         return None
-    from contrail.policy import Policy
-
     policy = Policy.load(model, device=device, dtype=dtype, seed=seed)
     tasks = {e.name: select_tasks(e.train_tasks, 16, seed) for e in stream.train}
     config = RolloutConfig(eval.max_new_tokens, eval.max_episode_tokens, eval.temperature, 1.0, eval.max_turns)

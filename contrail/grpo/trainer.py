@@ -27,13 +27,12 @@ from typing import Any, Callable, Protocol
 import numpy as np
 import torch
 
-from contrail.agent.backend import HFBackend
-from contrail.agent.chat import ChatFormat
 from contrail.agent.rollout import RolloutConfig, Trajectory, rollout
 from contrail.envs.base import Env, Task
 from contrail.grpo.advantage import group_advantages
 from contrail.grpo.config import GRPOConfig
 from contrail.grpo.loss import policy_loss
+from contrail.policy import Policy
 from contrail.progress import StepProgress
 from contrail.train.logprobs import sequence_logprobs
 from contrail.train.trainer import Batch, MaskedTokenTrainer, Sample, collate, pack_by_tokens
@@ -57,10 +56,10 @@ class GRPOTrainer:
         self.show_progress = show_progress
         self.trainer = MaskedTokenTrainer(model, tokenizer, config, log_dir=log_dir)
         self.accelerator = self.trainer.accelerator
-        self.chat = ChatFormat.from_tokenizer(tokenizer)
-        self.backend = HFBackend(self.trainer.unwrapped, self.chat.stop_ids, tokenizer.pad_token_id,
-                                 seed=config.seed + 1000 * self.accelerator.process_index,
-                                 autocast_bf16=config.precision == "bf16")
+        policy = Policy.from_model(self.trainer.unwrapped, tokenizer,
+                                   seed=config.seed + 1000 * self.accelerator.process_index,
+                                   autocast_bf16=config.precision == "bf16")
+        self.chat, self.backend = policy.chat, policy.backend
         self.reference = self._make_reference() if config.beta > 0 else None
         self.log_path = Path(log_dir) / "grpo_log.jsonl" if log_dir else None
         self.step_count = 0
