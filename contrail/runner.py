@@ -142,7 +142,7 @@ def run(
 
 
 class _Evaluator:
-    """Evaluates the training model on every test experience with a fresh, per-stage seed."""
+    """Evaluates the training model on every test experience, sampling from the same seed at every stage."""
 
     def __init__(self, trainer: GRPOTrainer, stream: Stream, eval: EvalConfig, seed: int, run_dir: RunDir,
                  show_progress: bool):
