@@ -9,8 +9,15 @@ from pathlib import Path
 import pytest
 
 import contrail.envs as envs
-from contrail.envs import Env, EnvOptionError, EpisodeOver, Step, Task, UnknownNameError
-from contrail.envs import base
+from contrail.envs import (
+    Env,
+    EnvOptionError,
+    EpisodeOver,
+    Step,
+    Task,
+    UnknownNameError,
+    base,
+)
 from contrail.testing import MagicWordEnv
 
 

@@ -17,7 +17,12 @@ NAMES = ["textcraft", "alfworld", "webshop", "searchqa"]
 @pytest.fixture(params=NAMES)
 def fresh(request, make_env):
     """``fresh()`` -> (a new environment, its first test task), for the parametrized name."""
-    return lambda: (lambda env: (env, env.tasks("test")[0]))(make_env(request.param))
+
+    def build():
+        env = make_env(request.param)
+        return env, env.tasks("test")[0]
+
+    return build
 
 
 def test_step_before_reset_is_a_runtime_error(fresh):
