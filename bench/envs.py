@@ -26,7 +26,6 @@ a note):
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import subprocess
@@ -66,8 +65,7 @@ CACHE_VARIABLES = ("CONTRAIL_CACHE", "CONTRAIL_CACHE_DIR", "CONTRAIL_WEBSHOP_CAC
 
 def options_for(name: str, cache_dir: str) -> dict:
     """Point the environment's disk cache at ``cache_dir`` when it has one (so 'cold' really is cold)."""
-    parameters = inspect.signature(envs.env_class(name).__init__).parameters
-    return {"cache_dir": str(Path(cache_dir) / name)} if "cache_dir" in parameters else {}
+    return {"cache_dir": str(Path(cache_dir) / name)} if "cache_dir" in envs.options(name) else {}
 
 
 # --- first use, in a fresh process -------------------------------------------------
