@@ -280,14 +280,14 @@ def _add(name: str, cls: Callable[..., Env]) -> None:
     existing = _REGISTRY.get(name)
     if existing is cls:
         return  # the same class again (its module imported twice): nothing to do
+    builtin = _BUILTIN_MODULES.get(name)
+    if builtin is not None and not getattr(cls, "__module__", "").startswith(builtin):
+        raise ValueError(f"environment name {name!r} is reserved for the built-in {builtin}; choose another name")
     if existing is not None:
         raise ValueError(
             f"environment name {name!r} is already registered by {_qualname(existing)}; "
             f"choose another name (or unregister({name!r}) first)"
         )
-    builtin = _BUILTIN_MODULES.get(name)
-    if builtin is not None and not getattr(cls, "__module__", "").startswith(builtin):
-        raise ValueError(f"environment name {name!r} is reserved for the built-in {builtin}; choose another name")
     other = next((key for key, value in _REGISTRY.items() if value is cls), None)
     if other is not None:
         raise ValueError(f"{_qualname(cls)} is already registered as {other!r}; register a subclass under {name!r}")
