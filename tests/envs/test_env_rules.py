@@ -58,10 +58,12 @@ def test_bytes_are_the_same_text_and_other_types_a_type_error(fresh):
     (one, task), (other, _) = fresh(), fresh()
     one.reset(task)
     other.reset(task)
-    text = one.expert()
-    as_text, as_bytes = one.step(text), other.step(text.encode("utf-8"))
-    assert (as_bytes.observation, as_bytes.reward, as_bytes.valid) == (as_text.observation, as_text.reward, as_text.valid)
-    assert other.step(b"\xff\xfe\x00 garbage").valid is False  # undecodable bytes are garbage, not an error
     for value in (None, 3, ["Action: look"]):
         with pytest.raises(TypeError):
             other.step(value)
+    # Undecodable bytes are replaced (U+FFFD): garbage, not an error.
+    garbage_bytes, garbage_text = other.step(b"\xff\xfe\x00 garbage"), one.step("\ufffd\ufffd\x00 garbage")
+    assert not garbage_bytes.valid and garbage_bytes.observation == garbage_text.observation
+    text = one.expert()
+    as_text, as_bytes = one.step(text), other.step(text.encode("utf-8"))
+    assert (as_bytes.observation, as_bytes.reward, as_bytes.valid) == (as_text.observation, as_text.reward, as_text.valid)
