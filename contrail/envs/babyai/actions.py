@@ -197,7 +197,9 @@ def _add_doors(menu: Menu, start: Pose, view: View, carrying) -> None:
         if door.state == "open":
             path = find_path(start, door.pos, view, arrive=True)
             if path is None:
-                menu.errors[f"go through {label}"] = f"You cannot go through {label}, as there is no path leading to it."
+                menu.errors[f"go through {label}"] = (
+                    f"You cannot go through {label}, as there is no path leading to it."
+                )
             else:
                 menu.actions[f"go through {label}"] = tuple(path)
             continue
@@ -207,7 +209,9 @@ def _add_doors(menu: Menu, start: Pose, view: View, carrying) -> None:
         through = f"toggle and go through {label}"
         if path is None:
             # AgentGym's message prints its door counter here instead of the number.
-            menu.errors[through] = f"You cannot toggle and go through {door.name} {counts}, as there is no path leading to it."
+            menu.errors[through] = (
+                f"You cannot toggle and go through {door.name} {counts}, as there is no path leading to it."
+            )
         else:
             menu.actions[through] = (*path, TOGGLE, FORWARD)
             if not path:

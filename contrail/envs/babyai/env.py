@@ -32,12 +32,8 @@ import re
 from contrail.envs.babyai import levels
 from contrail.envs.babyai.actions import CHECK, NOT_RECOGNIZED, Menu, action_menu, play
 from contrail.envs.babyai.expert import Expert, thought
-from contrail.envs.babyai.levels import (
-    LEVELS,
-    TRAIN_SEED_START,
-    level_number,
-    task_difficulty,
-)
+from contrail.envs.babyai.levels import LEVELS, TRAIN_SEED_START, level_number, task_difficulty
+from contrail.envs.babyai.solvable import solvable
 from contrail.envs.babyai.view import describe, look
 from contrail.envs.base import Env, EnvOptionError, Step, Task, register
 from contrail.envs.parsing import action_lines
@@ -65,7 +61,9 @@ INSTRUCTION = (
     "Action:\ngo to red ball 1"
 )
 
-FORMAT_ERROR = "Your response must end with exactly one line of the form 'Action: <your action>'. Please check valid actions."
+FORMAT_ERROR = (
+    "Your response must end with exactly one line of the form 'Action: <your action>'. Please check valid actions."
+)
 ONE_ACTION_ERROR = "Error: Only one 'Action' is allowed per response. Please adjust your response."
 NO_CHANGE = "No change in state."
 DONE_MESSAGE = " The task is completed."  # AgentGym's, leading space included
@@ -116,10 +114,6 @@ class BabyAIEnv(Env):
 
     def tasks(self, split: str, difficulty: str | None = None) -> list[Task]:
         """Tasks of ``split``; test tasks are those the expert solves (see `solvable`)."""
-        from contrail.envs.babyai.solvable import (
-            solvable,  # it plays episodes of this class
-        )
-
         self.check_split(split, difficulty)
         found = []
         for seed in self.seeds(split):

@@ -42,10 +42,9 @@ class Table:
     unsolved: frozenset[int]
 
     def answers(self, task_id: int, max_turns: int) -> bool:
-        return (
-            (self.cache_version, self.minigrid, self.max_turns) == (SOLVABLE_CACHE_VERSION, minigrid.__version__, max_turns)
-            and 0 <= task_id < self.covers
-        )
+        """Whether this table holds the answer for ``task_id`` at ``max_turns`` on the installed minigrid."""
+        key = (SOLVABLE_CACHE_VERSION, minigrid.__version__, max_turns)
+        return (self.cache_version, self.minigrid, self.max_turns) == key and 0 <= task_id < self.covers
 
 
 # The default test split, answered without playing: ``python -m contrail.envs.babyai.solvable``
@@ -131,7 +130,8 @@ def _save_cache() -> None:
 def _print_table(max_turns: int = 20, covers: int = 400) -> None:
     """Play the expert on ids ``0 .. covers - 1`` and print `TABLE`'s new ``unsolved`` set."""
     unsolved = [task_id for task_id in range(covers) if not expert_solves(task_id, max_turns)]
-    print(f"# cache_version={SOLVABLE_CACHE_VERSION}, minigrid={minigrid.__version__}, max_turns={max_turns}, covers={covers}")
+    print(f"# cache_version={SOLVABLE_CACHE_VERSION}, minigrid={minigrid.__version__}, max_turns={max_turns}")
+    print(f"covers={covers},")
     print(f"unsolved=frozenset({tuple(unsolved)}),")
 
 

@@ -65,7 +65,9 @@ def test_first_observations_are_agentgyms():
             different.append((episode["id"], first_line_difference(episode["first"], got)))
     identical = len(EPISODES) - len(different)
     print(f"BabyAI first observations identical to AgentGym's: {identical} of {len(EPISODES)}")
-    assert not different, f"{identical} of {len(EPISODES)} identical; first difference, id {different[0][0]}:\n{different[0][1]}"
+    assert not different, (
+        f"{identical} of {len(EPISODES)} identical; first difference, id {different[0][0]}:\n{different[0][1]}"
+    )
 
 
 def test_first_macros_expand_to_agentgyms_primitive_moves():
@@ -77,7 +79,8 @@ def test_first_macros_expand_to_agentgyms_primitive_moves():
         want = {action: tuple(int(p) for p in moves.split()) for action, moves in episode["first_macros"].items()}
         if env.macros() != want:
             different.append(episode["id"])
-    assert not different, f"{len(EPISODES) - len(different)} of {len(EPISODES)} menus expand identically; differ: {different[:10]}"
+    same = len(EPISODES) - len(different)
+    assert not different, f"{same} of {len(EPISODES)} menus expand identically; differ: {different[:10]}"
 
 
 def test_later_observations_are_agentgyms():
