@@ -227,16 +227,17 @@ class BabyAIEnv(Env):
         }
 
 
-_SPACES = re.compile(r"\s+")
+# AgentGym's client keeps only these characters of the action it reads.
+_DROPPED = re.compile(r"[^A-Za-z0-9, ]+")
 
 
 def normalise_action(raw: str) -> str:
-    """Lower-case, single-spaced, without wrapping quotes/brackets or a final period.
+    """The action as AgentGym reads it: only letters, digits, commas and spaces, single-spaced, lower-case.
 
-    ``pick up`` (the instruction's spelling) is accepted for ``pickup`` (the
-    action list's).
+    (So ``**Go to red ball 1**.`` is ``go to red ball 1``.) ``pick up`` (the
+    instruction's spelling) is accepted for ``pickup`` (the action list's).
     """
-    action = _SPACES.sub(" ", raw).strip().strip("\"'`[]").strip().rstrip(".").strip().lower()
+    action = " ".join(_DROPPED.sub("", raw).split()).lower()
     if action.startswith("pick up "):
         action = "pickup " + action[len("pick up "):]
     return action

@@ -21,7 +21,7 @@ def view_of(*things: Thing) -> View:
     ordered = tuple(sorted(things, key=lambda t: t.distance))
     ahead = [t for t in ordered if t.kind in ("box", "wall") and t.right == 0]
     facing = (ahead[0].kind, ahead[0].front) if ahead else None
-    return View(ordered, facing, range(0, 10), range(0, 10), np.zeros((7, 7, 3), dtype=np.uint8))
+    return View(ordered, facing, range(10), range(10), np.zeros((7, 7, 3), dtype=np.uint8))
 
 
 def level(carrying=None) -> SimpleNamespace:
