@@ -10,8 +10,9 @@ sampler, after_stage), and evaluated after each stage on both test sets
 
     forgetting = success on magic after stage 1 - success on magic after stage 2
 
-``--difficulty hard`` (the default) keeps one turn per episode, so the two
-words conflict outright and forgetting is the only way to learn stage 2.
+``--difficulty hard`` keeps one turn per episode, so the two words conflict
+outright; on the tiny model it mostly collapses onto the first word, leaving
+stage 2 no reward to learn from, so the default is ``easy``.
 
     python bench/cl_methods.py                 # 3 seeds, a few minutes on 2 cores
     python bench/cl_methods.py --seeds 0 1 2 --steps 30 --json out.json
@@ -37,11 +38,11 @@ from contrail.testing import tiny_model, tiny_tokenizer
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=25, help="GRPO steps per stage")
-    parser.add_argument("--lr", type=float, default=2e-2)
-    parser.add_argument("--beta", type=float, default=1.0, help="kl_anchor's beta")
-    parser.add_argument("--lam", type=float, default=1000.0, help="ewc's lambda")
-    parser.add_argument("--difficulty", default="hard", choices=["easy", "hard"],
+    parser.add_argument("--steps", type=int, default=20, help="GRPO steps per stage")
+    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--betas", type=float, nargs="+", default=[0.1, 1.0], help="kl_anchor's beta values")
+    parser.add_argument("--lams", type=float, nargs="+", default=[100.0, 1000.0], help="ewc's lambda values")
+    parser.add_argument("--difficulty", default="easy", choices=["easy", "hard"],
                         help="hard: one turn, the two words conflict; easy: three turns, one policy can solve both")
     parser.add_argument("--k", type=int, default=4, help="samples per test task")
     parser.add_argument("--threads", type=int, default=None)
@@ -53,8 +54,10 @@ ROLLOUT = RolloutConfig(max_new_tokens=3, max_episode_tokens=256)
 
 
 def methods(args) -> dict[str, tuple[str, dict]]:
-    return {"sequential": ("sequential", {}), f"kl_anchor beta={args.beta:g}": ("kl_anchor", {"beta": args.beta}),
-            f"ewc lam={args.lam:g}": ("ewc", {"lam": args.lam, "fisher_tasks": 4})}
+    out: dict[str, tuple[str, dict]] = {"sequential": ("sequential", {})}
+    out.update({f"kl_anchor beta={b:g}": ("kl_anchor", {"beta": b}) for b in args.betas})
+    out.update({f"ewc lam={lam:g}": ("ewc", {"lam": lam, "fisher_tasks": 4}) for lam in args.lams})
+    return out
 
 
 def success(trainer: GRPOTrainer, stream: Stream, seed: int, k: int) -> dict[str, float]:
@@ -73,7 +76,7 @@ def success(trainer: GRPOTrainer, stream: Stream, seed: int, k: int) -> dict[str
 def run(name: str, options: dict, seed: int, args) -> list[dict[str, float]]:
     """Rows of success after stage 0 (start), 1 and 2."""
     stream = Stream.from_specs([f"magic:{args.difficulty}", f"magic-berry:{args.difficulty}"], train_tasks=10,
-                               test_tasks=10)
+                               test_tasks=20)
     strategy = strategies.make(name, steps_per_experience=args.steps, **options)
     tokenizer = tiny_tokenizer()
     config = GRPOConfig(lr=args.lr, group_size=8, tasks_per_step=4)
