@@ -35,7 +35,7 @@ def make_trainer(the_stream, seed=0, lr=2e-2):
                        seed=seed, show_progress=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_stages(name, seed=0, **options):
     """Train the two-stage stream like the runner; return the trainer, each stage's history and anchors."""
     the_stream = stream()

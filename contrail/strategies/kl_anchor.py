@@ -18,8 +18,9 @@ Costs one frozen copy of the model and one extra no-grad forward per micro-batch
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
