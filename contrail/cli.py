@@ -9,8 +9,10 @@
     contrail report RUN                    regenerate a run's report.md, matrix.csv and plots
     contrail compare RUN...                tabulate an ablation: mean ± std over seeds
 
-Bad input (unknown environment or difficulty, k < 1, missing model) prints
-one line naming the valid choices and exits with code 2.
+contrail's own user-facing errors (a config mistake, an unknown name, a
+bad environment option or device, a run directory in the way, a missing
+model) print one line naming the valid choices and exit with code 2, before
+anything is written. Anything else is a bug: its traceback is kept (exit 1).
 """
 
 from __future__ import annotations
@@ -25,14 +27,13 @@ from rich.console import Console
 from rich.table import Table
 
 from contrail import envs
-from contrail.envs.base import UnknownNameError
 
 # Wide tables when printing to a file or a pipe (rich would otherwise assume 80 columns).
 console = Console() if sys.stdout.isatty() else Console(width=150)
 
 
-class UsageError(Exception):
-    """A user error reported in one line with exit code 2."""
+class UsageError(ValueError):
+    """A user error in the command line reported in one line with exit code 2."""
 
 
 def _positive(value: str) -> int:
@@ -61,12 +62,23 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-episodes", type=_positive, default=64, help="episodes played together")
 
 
-def resolve_device(device: str) -> str:
-    import torch
+def rollout_from_args(args: argparse.Namespace):
+    """The `RolloutConfig` of the rollout options; a bad combination is a `UsageError` naming the option."""
+    from contrail.agent.rollout import RolloutConfig
 
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    try:
+        return RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=args.max_episode_tokens,
+                             temperature=args.temperature, top_p=args.top_p, max_turns=args.max_turns)
+    except ValueError as error:
+        raise UsageError(f"--{str(error).split()[0].replace('_', '-')}: {error}") from None
+
+
+def output_dir(value: str | None, default: Path) -> Path:
+    """``--out`` as a directory to write into; an existing file there is a `UsageError`."""
+    out = Path(value) if value else default
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is an existing file, not a directory")
+    return out
 
 
 # --- contrail envs ---------------------------------------------------------------
@@ -94,17 +106,18 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from contrail.agent import RolloutConfig
     from contrail.evaluation import evaluate
+    from contrail.models import resolve_device
     from contrail.policy import Policy
     from contrail.stream import Experience, env_factory
 
+    config = rollout_from_args(args)
+    device = resolve_device(args.device)
+    out = output_dir(args.out, Path("runs") / "eval" / time.strftime("%Y%m%d-%H%M%S"))
     experiences = [Experience.from_spec(spec, test_tasks=args.tasks, train_tasks=args.tasks, seed=args.seed)
                    for spec in args.env]
     task_lists = {e.name: (e.test_tasks if args.split == "test" else e.train_tasks) for e in experiences}
-    config = RolloutConfig(args.max_new_tokens, args.max_episode_tokens, args.temperature, args.top_p, args.max_turns)
-    policy = Policy.load(args.model, device=resolve_device(args.device), dtype=args.dtype, seed=args.seed)
-    out = Path(args.out) if args.out else Path("runs") / "eval" / time.strftime("%Y%m%d-%H%M%S")
+    policy = Policy.load(args.model, device=device, dtype=args.dtype, seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
     trajectories = out / "trajectories.jsonl"
     trajectories.unlink(missing_ok=True)
@@ -188,32 +201,46 @@ def _checked_specs(specs: list[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from contrail.config import EvalConfig
-    from contrail.grpo.config import GRPOConfig
-    from contrail.runner import WarmStart, run
-    from contrail.strategies import Mixture
-    from contrail.stream import Stream
-    from contrail.train.demos import DemoSpec
+    """GRPO on a mixture of ``--env``: the same `Experiment` a YAML file would give, run by the runner."""
+    from contrail.runner import run
 
-    stream = Stream.from_specs(_checked_specs(args.env), test_tasks=args.eval_tasks, seed=args.seed)
-    for index, experience in enumerate(stream.train):  # split the step budget over the environments
-        experience.steps = args.steps // len(stream.train) + (1 if index < args.steps % len(stream.train) else 0)
-    grpo = GRPOConfig(lr=args.lr, group_size=args.group_size, tasks_per_step=args.tasks_per_step,
-                      max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, beta=args.beta,
-                      clip_high=args.clip_high, lora=args.lora, precision=args.precision, seed=args.seed,
-                      temperature=args.temperature, max_episode_tokens=args.max_episode_tokens,
-                      gradient_checkpointing=args.gradient_checkpointing, micro_batch_tokens=args.micro_batch_tokens)
-    evaluation = EvalConfig(k=args.k, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-                            max_episode_tokens=args.max_episode_tokens, batch_episodes=args.batch_episodes)
-    warm = None
-    if args.warmstart_episodes:
-        warm = WarmStart(DemoSpec(envs=tuple(args.env), episodes=args.warmstart_episodes, seed=args.seed))
-    result = run(stream, Mixture(seed=args.seed), model=args.model, out=args.out, grpo=grpo, eval=evaluation,
-                 warm_start=warm, dtype=args.dtype, device=resolve_device(args.device), seed=args.seed,
-                 resume=args.resume, force=args.force)
+    experiment = train_experiment(args)
+    result = run(experiment, resume=args.resume, force=args.force)
     if _is_main_process():
         print_run(result)
     return 0
+
+
+def train_experiment(args: argparse.Namespace):
+    """The `Experiment` of ``contrail train``'s options (checked, so mistakes are one line).
+
+    ``--steps`` is the total budget of one mixture stage over the
+    environments (rounded up to a multiple of their number); the warm-start is
+    the same `WarmStart` an experiment file's ``model.warmstart`` builds.
+    """
+    from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec, WarmStart
+    from contrail.grpo.config import GRPOConfig
+
+    specs = _checked_specs(args.env)
+    rollout = rollout_from_args(args)
+    output_dir(args.out, Path(args.out))
+    try:
+        warm = WarmStart(envs=list(specs), episodes=args.warmstart_episodes) if args.warmstart_episodes else None
+        grpo = GRPOConfig(lr=args.lr, group_size=args.group_size, tasks_per_step=args.tasks_per_step, beta=args.beta,
+                          clip_high=args.clip_high, lora=args.lora, precision=args.precision,
+                          gradient_checkpointing=args.gradient_checkpointing,
+                          micro_batch_tokens=args.micro_batch_tokens)
+        experiment = Experiment(
+            name=Path(args.out).name or "train", out=args.out, seed=args.seed,
+            stream=StreamSpec(train=list(specs), test_tasks=args.eval_tasks,
+                              steps_per_experience=-(-args.steps // len(specs))),
+            strategy=StrategySpec(name="mixture"),
+            model=ModelSpec(name=args.model, dtype=args.dtype, device=args.device, warmstart=warm),
+            rollout=rollout, grpo=grpo, eval=EvalSpec(k=args.k, batch_episodes=args.batch_episodes),
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return experiment.check()
 
 
 def _is_main_process() -> bool:
@@ -240,31 +267,21 @@ def print_run(result) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from contrail.config import load_experiment, to_dict
-    from contrail.experiment import build_stream, build_strategy, describe_plan, expand_runs
-    from contrail.report import compare
-    from contrail.runner import WarmStart, run
-    from contrail.train.demos import DemoSpec
-    from contrail.train.sft import SFTConfig
+    """Every run of an experiment file (orders × seeds), or its plan with ``--dry-run``."""
+    from contrail.experiment import describe_plan, expand_runs, load_experiment
 
-    cfg = load_experiment(args.experiment, args.overrides)
+    experiment = load_experiment(args.experiment, args.overrides, preset_dirs=args.preset_dir or ())
     if args.dry_run:
-        print(describe_plan(cfg))
+        print(describe_plan(experiment))
         return 0
-    runs = expand_runs(cfg)
+    from contrail.report import compare
+    from contrail.runner import run
+
+    runs = expand_runs(experiment)
     started = time.perf_counter()
     for number, one in enumerate(runs, start=1):
         console.rule(f"run {number}/{len(runs)}: {one.label} (seed {one.seed}) → {one.out}")
-        warm = None
-        if one.model.warmstart is not None:
-            ws = one.model.warmstart
-            warm = WarmStart(DemoSpec(envs=tuple(ws.envs), episodes=ws.episodes, seed=ws.seed,
-                                      max_episode_tokens=ws.max_episode_tokens),
-                             SFTConfig(lr=ws.lr, epochs=ws.epochs, seed=ws.seed, batch_size=ws.batch_size,
-                                       precision=ws.precision))
-        result = run(build_stream(one), build_strategy(one), model=one.model.name, out=one.out, grpo=one.grpo,
-                     eval=one.eval, warm_start=warm, dtype=one.model.dtype, device=resolve_device(one.model.device),
-                     seed=one.seed, resume=args.resume, force=args.force, config=to_dict(one))
+        result = run(one, resume=args.resume, force=args.force)
         if _is_main_process():
             print_run(result)
     if len(runs) > 1 and _is_main_process():
@@ -276,7 +293,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from contrail.report import write_report
 
-    for path in write_report(args.run):
+    for path in write_report(args.run_dir):
         console.print(f"wrote {path}")
     return 0
 
@@ -312,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_envs = sub.add_parser("envs", help="list environments with their difficulties and task counts")
-    p_envs.set_defaults(run=cmd_envs)
+    p_envs.set_defaults(handler=cmd_envs)
 
     p_eval = sub.add_parser("eval", help="evaluate a model on environments' tasks")
     add_model_arguments(p_eval)
@@ -323,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("-k", type=_positive, default=1, help="samples per task (avg@k, pass@k)")
     p_eval.add_argument("--out", default=None, help="output directory (default runs/eval/<time>)")
     add_rollout_arguments(p_eval)
-    p_eval.set_defaults(run=cmd_eval)
+    p_eval.set_defaults(handler=cmd_eval)
 
     p_audit = sub.add_parser("audit", help="expert and random-action success through the model's parsing path")
     p_audit.add_argument("--env", action="append", required=True, help="environment spec (repeatable)")
@@ -333,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_audit.add_argument("--seed", type=int, default=0)
     p_audit.add_argument("--max-episode-tokens", type=_positive, default=32768)
     p_audit.add_argument("--tokenizer", default="smollm2-135m", help="whose tokenizer renders the episodes")
-    p_audit.set_defaults(run=cmd_audit)
+    p_audit.set_defaults(handler=cmd_audit)
 
     p_sft = sub.add_parser("sft", help="behaviour cloning on expert demonstrations (training tasks only)")
     add_model_arguments(p_sft)
@@ -345,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_sft.add_argument("--out", required=True, help="output directory (its model/ is loadable by eval)")
     p_sft.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
     add_training_arguments(p_sft, lr=1e-4)
-    p_sft.set_defaults(run=cmd_sft)
+    p_sft.set_defaults(handler=cmd_sft)
 
     p_train = sub.add_parser("train", help="GRPO on environments, evaluated before and after on test tasks")
     add_model_arguments(p_train)
@@ -365,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_rollout_arguments(p_train)
     p_train.set_defaults(max_new_tokens=64, max_episode_tokens=2048, batch_episodes=32)
     add_training_arguments(p_train, lr=2e-5)
-    p_train.set_defaults(run=cmd_train)
+    p_train.set_defaults(handler=cmd_train)
 
     p_run = sub.add_parser("run", help="run a continual experiment from YAML")
     p_run.add_argument("experiment", help="experiment YAML, e.g. experiments/quickstart.yaml")
@@ -373,29 +390,41 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--dry-run", action="store_true", help="print the plan without loading a model")
     p_run.add_argument("--resume", action="store_true", help="continue interrupted runs after their last stage")
     p_run.add_argument("--force", action="store_true", help="overwrite finished or unfinished runs")
-    p_run.set_defaults(run=cmd_run)
+    p_run.add_argument("--preset-dir", action="append", metavar="DIR",
+                       help="a folder holding streams/ and strategies/ presets, searched first (repeatable; "
+                            "also $CONTRAIL_PRESET_PATH)")
+    p_run.set_defaults(handler=cmd_run)
 
     p_report = sub.add_parser("report", help="regenerate a run's report files")
-    p_report.add_argument("run", help="run directory")
-    p_report.set_defaults(run=cmd_report)
+    p_report.add_argument("run_dir", metavar="RUN", help="run directory")
+    p_report.set_defaults(handler=cmd_report)
 
     p_compare = sub.add_parser("compare", help="compare runs (mean ± std over seeds)")
     p_compare.add_argument("runs", nargs="+", help="run directories")
-    p_compare.set_defaults(run=cmd_compare)
+    p_compare.set_defaults(handler=cmd_compare)
 
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from contrail.models import ModelNotFoundError
+def user_errors() -> tuple[type[BaseException], ...]:
+    """contrail's own user-facing errors: one line and exit code 2 (everything else keeps its traceback)."""
+    from contrail.envs import EnvOptionError, UnknownNameError
+    from contrail.experiment import ConfigError
+    from contrail.models import DeviceError, ModelNotFoundError
     from contrail.results import RunExistsError
 
+    return (ConfigError, UnknownNameError, EnvOptionError, DeviceError, ModelNotFoundError, RunExistsError,
+            UsageError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``contrail`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
-    except (UnknownNameError, ModelNotFoundError, UsageError, ValueError, RunExistsError, FileNotFoundError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return args.handler(args)
+    except user_errors() as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"contrail {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
