@@ -202,9 +202,9 @@ def _checked_specs(specs: list[str]) -> list[str]:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """GRPO on a mixture of ``--env``: the same `Experiment` a YAML file would give, run by the runner."""
+    experiment = train_experiment(args)
     from contrail.runner import run
 
-    experiment = train_experiment(args)
     result = run(experiment, resume=args.resume, force=args.force)
     if _is_main_process():
         print_run(result)
@@ -293,7 +293,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from contrail.report import write_report
 
-    for path in write_report(args.run_dir):
+    for path in write_report(_run_dir(args.run_dir)):
         console.print(f"wrote {path}")
     return 0
 
@@ -301,8 +301,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from contrail.report import compare
 
-    console.print(compare(args.runs), markup=False)
+    console.print(compare([_run_dir(path) for path in args.runs]), markup=False)
     return 0
+
+
+def _run_dir(path: str) -> Path:
+    """A run directory named on the command line; a missing one is a `UsageError`."""
+    if not Path(path).is_dir():
+        raise UsageError(f"{path}: no such run directory")
+    return Path(path)
 
 
 def add_training_arguments(parser: argparse.ArgumentParser, lr: float) -> None:
