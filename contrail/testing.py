@@ -80,8 +80,6 @@ class MagicWordEnv(Env):
     def __init__(self, max_turns: int | None = None, tasks_per_split: int = 40):
         super().__init__(max_turns)
         self.tasks_per_split = tasks_per_split
-        self._done = True
-        self._task: Task | None = None
 
     def instruction(self) -> str:
         return "say the word ."
@@ -96,20 +94,16 @@ class MagicWordEnv(Env):
     def turn_limit(self, task: Task) -> int:
         return 1 if task.difficulty == "hard" else self.max_turns
 
-    def reset(self, task: Task) -> str:
-        self._task, self._done = task, False
+    def on_reset(self, task: Task) -> str:
         return "what is your word ?"
 
-    def step(self, text: str) -> Step:
-        if self._done:
-            raise RuntimeError("step() after the episode ended; call reset()")
+    def on_step(self, text: str) -> Step:
         words = re.findall(r"[a-z]+", text.lower())
         if words and words[0] == self.magic:
-            self._done = True
-            return Step("right", reward=1.0, done=True, success=True)
+            return Step(observation="right", reward=1.0, done=True, success=True)
         if any(w in self.fruits for w in words):
-            return Step("wrong . try again", valid=True)
-        return Step("say one word .", valid=False)
+            return Step(observation="wrong . try again", valid=True)
+        return Step(observation="say one word .", valid=False)
 
     def expert(self) -> str:
         return self.magic

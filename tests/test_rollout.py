@@ -129,7 +129,7 @@ def test_same_seed_same_trajectories(tokenizer, chat):
 
 
 class ExplodingEnv(MagicWordEnv):
-    def step(self, text: str) -> Step:
+    def on_step(self, text: str) -> Step:
         raise ConnectionError("environment server died")
 
 

@@ -7,10 +7,12 @@ template's closing and the next observation's user turn are appended as ids
 (mask 0). Nothing is ever decoded and re-encoded, so the ids trained on are
 the ids that were sampled.
 
-An episode ends when its environment says done, at the environment's turn
-limit, when a turn's ids would overflow ``max_episode_tokens`` (truncated), or
-when its environment raises (that episode fails with the error recorded; the
-other episodes go on).
+An episode ends when its environment says done (the environment's base class
+also ends it at the turn limit: ``RolloutConfig.max_turns`` when set, else the
+environment's own ``turn_limit(task)``), when a turn's ids would overflow
+``max_episode_tokens`` (truncated), or when its environment raises -- in its
+constructor, ``reset``, ``step`` or ``close`` -- (that episode fails with the
+error recorded; the other episodes go on).
 """
 
 from __future__ import annotations
@@ -24,9 +26,13 @@ from contrail.agent.chat import ChatFormat
 from contrail.envs.base import Env, Task
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """Limits and sampling for one batch of episodes."""
+    """Limits and sampling for one batch of episodes (keyword arguments only).
+
+    Every value is checked here; a bad one is a ValueError whose message
+    starts with the field's name.
+    """
 
     max_new_tokens: int = 128          # per turn
     max_episode_tokens: int = 4096     # prompt + every turn + every observation
@@ -35,17 +41,31 @@ class RolloutConfig:
     max_turns: int | None = None       # overrides the environments' own turn limits when set
 
     def __post_init__(self) -> None:
+        for name in ("max_new_tokens", "max_episode_tokens"):
+            _check_int(name, getattr(self, name))
+        if self.max_turns is not None:
+            _check_int("max_turns", self.max_turns)
         if self.max_episode_tokens <= self.max_new_tokens:
             raise ValueError(
                 f"max_episode_tokens ({self.max_episode_tokens}) must exceed max_new_tokens "
                 f"({self.max_new_tokens}) so at least one turn fits"
             )
-        if self.max_turns is not None and self.max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
-        SamplingParams(self.max_new_tokens, self.temperature, self.top_p)  # validates the rest
+        if not _is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.max_new_tokens, self.temperature, self.top_p)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass
@@ -88,11 +108,10 @@ class Trajectory:
 
 @dataclass
 class _Episode:
-    """Mutable state of one live episode."""
+    """Mutable state of one live episode (``env`` is None when it could not be built)."""
 
-    env: Env
+    env: Env | None
     trajectory: Trajectory
-    turn_limit: int
     done: bool = False
 
     def extend(self, ids: list[int], mask_value: int, logprobs: list[float] | None = None) -> None:
@@ -106,16 +125,16 @@ EnvFactory = Callable[[Task], Env]
 
 
 def _start(task: Task, sample: int, make_env: EnvFactory, chat: ChatFormat, config: RolloutConfig) -> _Episode:
-    env = make_env(task)
     trajectory = Trajectory(task=task, ids=[], mask=[], logprobs=[], messages=[], sample=sample)
-    limit = config.max_turns or env.turn_limit(task)
-    episode = _Episode(env=env, trajectory=trajectory, turn_limit=limit)
-    try:
-        observation = env.reset(task)
-    except Exception as error:  # a broken environment fails this episode, not the batch
+    episode = _Episode(env=None, trajectory=trajectory)
+    try:  # a broken environment (constructor or reset) fails this episode, not the batch
+        episode.env = make_env(task)
+        # The rollout's max_turns overrides the environment's own limit; the env counts the turns.
+        observation = episode.env.reset(task, turn_limit=config.max_turns)
+        messages = episode.env.prompt_messages() + [{"role": "user", "content": observation}]
+    except Exception as error:
         _fail(episode, error)
         return episode
-    messages = env.prompt_messages() + [{"role": "user", "content": observation}]
     trajectory.messages.extend(messages)
     episode.extend(chat.prompt_ids(messages), 0)
     if len(trajectory.ids) + config.max_new_tokens > config.max_episode_tokens:
@@ -150,10 +169,7 @@ def _advance(episode: _Episode, generation, chat: ChatFormat, config: RolloutCon
     traj.invalid_actions += 0 if step.valid else 1
     traj.reward = float(step.reward)
     traj.success = bool(step.success)
-    if step.done:
-        episode.done = True
-        return
-    if traj.turns >= episode.turn_limit:
+    if step.done:  # solved, failed, or the turn limit (the environment counts the turns)
         episode.done = True
         return
     observation_ids = chat.user_turn_ids(step.observation)
@@ -177,7 +193,9 @@ def rollout(
 ) -> list[Trajectory]:
     """Play one episode per entry of ``tasks`` (repeat a task for several samples).
 
-    ``make_env(task)`` builds a fresh environment per episode. ``on_turn(live,
+    ``make_env(task)`` builds a fresh environment per episode; an exception
+    there fails that episode (error recorded), like one from the environment
+    itself. ``on_turn(live,
     generated_tokens)`` is called after each batched turn and
     ``on_episode(trajectory)`` when an episode finishes (progress bars).
     Returns trajectories in the order of ``tasks``.
@@ -216,6 +234,8 @@ def rollout(
 
 
 def _close(episode: _Episode) -> None:
+    if episode.env is None:
+        return
     try:
         episode.env.close()
     except Exception as error:  # closing must never take the run down

@@ -506,7 +506,7 @@ class BabyAIEnv(Env):
             return self._invalid(error, action)
         if action == "check available actions":
             listed = "You can take the following actions: " + ", ".join(self._menu.actions)
-            return Step(f"{listed}\n{self._menu.listing()}", info=self._info(action))
+            return Step(observation=f"{listed}\n{self._menu.listing()}", info=self._info(action))
         reward, terminated, truncated = self._execute(self._menu.actions[action])
         self._look()
         observation = self._description
@@ -519,7 +519,10 @@ class BabyAIEnv(Env):
             observation += f"\n{OUT_OF_STEPS_MESSAGE}"
         self._done = terminated or truncated
         reward = float(reward) if success else 0.0
-        return Step(f"{observation}\n{self._menu.listing()}", reward, self._done, success, True, self._info(action))
+        return Step(
+            observation=f"{observation}\n{self._menu.listing()}", reward=reward, done=self._done, success=success,
+            info=self._info(action),
+        )
 
     def random_action(self, rng: random.Random) -> str:
         self._require_live()
@@ -639,7 +642,7 @@ class BabyAIEnv(Env):
         return action, self._menu.errors.get(action, NOT_RECOGNIZED_MESSAGE)
 
     def _invalid(self, error: str, action: str | None) -> Step:
-        return Step(f"{error}\n{self._menu.listing()}", valid=False, info=self._info(action))
+        return Step(observation=f"{error}\n{self._menu.listing()}", valid=False, info=self._info(action))
 
     def _execute(self, primitives: tuple[int, ...]) -> tuple[float, bool, bool]:
         """Run primitive actions until they end or the episode does."""
