@@ -52,6 +52,7 @@ __all__ = ["BASE_SUCCESS_TASKS", "RunResult", "measure_base_success", "run"]
 PLAN = "plan.json"
 GRPO_LOG = "grpo_log.jsonl"
 TRAINER_STATE = "trainer_state.pt"
+STRATEGY_STATE = "strategy_state.safetensors"
 BASE_SUCCESS_TASKS = 16   # training tasks per experience the base success is measured on
 BASE_SUCCESS_K = 2        # samples per task for the base success
 
@@ -99,6 +100,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         RunExistsError: ``out`` holds a run that ``resume``/``force`` do not allow
             to continue or overwrite, or a directory that is not a run.
     """
+    experiment.check()  # environments, strategy, device: fail before anything is written
     run_dir = RunDir(out if out is not None else experiment.out)
     processes = PartialState()  # under `accelerate launch` every process trains; the main one writes
     if processes.is_main_process:
@@ -127,6 +129,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     trainer = _make_trainer(experiment, stream, model, tokenizer, run_dir, show_progress)
     if done >= 1:
         trainer.load_state(run_dir.checkpoint_dir(done))
+        _load_strategy_state(strategy, run_dir.checkpoint_dir(done))
         console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
     if processes.is_main_process:
         _truncate_log(run_dir.path / GRPO_LOG, trainer.step_count)
@@ -243,7 +246,7 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
     strategy.before_stage(stage, trainer)
     history = trainer.train(sampler, stage.steps, description=f"stage {stage.index}/{total} {stage.name}")
     strategy.after_stage(stage, trainer)
-    _save_checkpoint(trainer, run_dir, stage.index, sampler, processes)
+    _save_checkpoint(trainer, strategy, run_dir, stage.index, sampler, processes)
     if processes.is_main_process:
         results = _evaluate(evaluator, trainer, run_dir, stage.index, experiment)
         _record(run_dir, stage.index, stage.name, list(stage.new), results, _train_summary(history),
@@ -253,7 +256,8 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
     processes.wait_for_everyone()
 
 
-def _save_checkpoint(trainer: GRPOTrainer, run_dir: RunDir, stage: int, sampler, processes: PartialState) -> None:
+def _save_checkpoint(trainer: GRPOTrainer, strategy: Strategy, run_dir: RunDir, stage: int, sampler,
+                     processes: PartialState) -> None:
     """Save into a staging directory and rename it into place, so a checkpoint is whole or absent."""
     target = run_dir.checkpoint_dir(stage)
     staging = target.with_name(target.name + ".partial")
@@ -262,10 +266,35 @@ def _save_checkpoint(trainer: GRPOTrainer, run_dir: RunDir, stage: int, sampler,
     processes.wait_for_everyone()
     trainer.save(staging, sampler=sampler, extra={"stage": stage})
     if processes.is_main_process:
+        _save_strategy_state(strategy, staging)
         # A checkpoint of this stage left by a run killed before its row is stale: replace it.
         shutil.rmtree(target, ignore_errors=True)
         staging.replace(target)
     processes.wait_for_everyone()
+
+
+def _save_strategy_state(strategy: Strategy, directory: Path) -> None:
+    """What a strategy carries from one stage to the next (an EWC Fisher, say), if it says so.
+
+    A strategy with ``state_dict() -> dict[str, Tensor]`` and
+    ``load_state_dict(state)`` gets that state saved beside the trainer's
+    (safetensors: tensors only) and restored on resume, so a resumed stage
+    sees what its predecessor's ``after_stage`` left.
+    """
+    state_dict = getattr(strategy, "state_dict", None)
+    if callable(state_dict):
+        from safetensors.torch import save_file
+
+        state = {name: tensor.detach().cpu().contiguous() for name, tensor in state_dict().items()}
+        save_file(state, str(directory / STRATEGY_STATE))
+
+
+def _load_strategy_state(strategy: Strategy, directory: Path) -> None:
+    path = directory / STRATEGY_STATE
+    if path.is_file() and callable(getattr(strategy, "load_state_dict", None)):
+        from safetensors.torch import load_file
+
+        strategy.load_state_dict(load_file(str(path)))
 
 
 def _evaluate(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir, stage: int,
@@ -328,7 +357,7 @@ def _truncate_log(path: Path, steps: int) -> None:
 
 
 def _drop_stale_checkpoints(run_dir: RunDir, done: int) -> None:
-    """Keep every recorded stage's weights, but optimizer state only for the last recorded stage.
+    """Keep every recorded stage's weights, but optimizer (and strategy) state only for the last one.
 
     Checkpoints of stages after ``done`` were saved without their row being
     written (a kill before recording), and staging directories are partial
@@ -341,7 +370,8 @@ def _drop_stale_checkpoints(run_dir: RunDir, done: int) -> None:
         if path.name.endswith(".partial"):
             shutil.rmtree(path, ignore_errors=True)
     for stage in range(1, done):
-        (run_dir.checkpoint_dir(stage) / TRAINER_STATE).unlink(missing_ok=True)
+        for name in (TRAINER_STATE, STRATEGY_STATE):
+            (run_dir.checkpoint_dir(stage) / name).unlink(missing_ok=True)
     stage = done + 1
     while run_dir.checkpoint_dir(stage).exists():
         shutil.rmtree(run_dir.checkpoint_dir(stage))

@@ -11,17 +11,17 @@ import torch
 from contrail import envs
 from contrail.agent.rollout import RolloutConfig
 from contrail.evaluation import Evaluator, preserved_rng, summarize
-from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
+from contrail.testing import BerryWordEnv, tiny_model, tiny_tokenizer
 
 ROLLOUT = RolloutConfig(max_new_tokens=3, max_episode_tokens=256)
 
 
-class ResetFails(MagicWordEnv):
+class ResetFails(BerryWordEnv):
     def on_reset(self, task):
         raise RuntimeError("engine did not start")
 
 
-class StepFails(MagicWordEnv):
+class StepFails(BerryWordEnv):
     def on_step(self, text):
         raise OSError("engine died")
 
