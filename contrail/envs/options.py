@@ -10,6 +10,7 @@ deep inside the environment.
 
 from __future__ import annotations
 
+import collections.abc as abc
 import inspect
 import os
 import types
@@ -50,11 +51,19 @@ def conforms(value: Any, hint: Any) -> bool:
         return any(conforms(value, arm) for arm in typing.get_args(hint))
     if origin is Literal:
         return value in typing.get_args(hint)
-    if origin in (list, tuple, set, frozenset):
+    if origin in (list, tuple, set, frozenset, abc.Sequence, abc.Set, abc.Collection, abc.Iterable):
         return isinstance(value, (list, tuple)) and _items_conform(value, typing.get_args(hint))
-    if origin is dict:
-        return isinstance(value, dict)
+    if origin in (dict, abc.Mapping):
+        return isinstance(value, dict) and _mapping_conforms(value, typing.get_args(hint))
+    if isinstance(origin, type):
+        return isinstance(value, origin)
     return _conforms_class(value, hint)
+
+
+def _mapping_conforms(mapping: dict, args: tuple) -> bool:
+    if len(args) != 2:
+        return True
+    return all(conforms(k, args[0]) and conforms(v, args[1]) for k, v in mapping.items())
 
 
 def _items_conform(items: Any, args: tuple) -> bool:

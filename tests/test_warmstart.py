@@ -1,0 +1,97 @@
+"""The warm-start: read from the one `WarmStart` type, cached by every field that changes it, weights only."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields, replace
+
+import pytest
+from safetensors.torch import load_file
+
+from contrail.experiment import WarmStart
+from contrail.models import load_model
+from contrail.testing import tiny_model, tiny_tokenizer
+from contrail.train import sft
+from contrail.train.demos import demonstrations
+from contrail.train.sft import sft_config, train_sft, warmstart, warmstart_key
+
+SPEC = WarmStart(envs=["magic:easy"], episodes=4, epochs=1, lr=1e-3, max_episode_tokens=256, batch_size=2,
+                 precision="fp32")
+
+
+@pytest.fixture
+def base_model(tmp_path):
+    tokenizer = tiny_tokenizer()
+    path = tmp_path / "tiny"
+    tiny_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONTRAIL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_the_trainer_settings_come_from_the_warm_start():
+    config = sft_config(replace(SPEC, lr=3e-4, precision="bf16"))
+    assert config.lr == 3e-4 and config.precision == "bf16"
+
+
+def test_warm_start_is_trained_once_then_reused_from_the_cache(base_model, cache, monkeypatch):
+    path = warmstart(base_model, SPEC, seed=7, dtype="float32", show_progress=False)
+    key = warmstart_key(base_model, SPEC, seed=7, dtype="float32")
+    assert path == cache / "warmstart" / key / "model"
+    # the cache keeps the model and its summary, no optimizer state and no staging directory
+    assert not list((cache / "warmstart").glob("*.partial"))
+    assert not list(path.parent.rglob("trainer_state.pt")) and not (path.parent / "checkpoint").exists()
+    summary = json.loads((path.parent / "summary.json").read_text())
+    assert summary["warmstart"]["episodes"] == 4 and summary["seed"] == 7
+    trained = load_file(path / "model.safetensors")
+    untouched = load_file(f"{base_model}/model.safetensors")
+    assert any(not (trained[name] == untouched[name]).all() for name in untouched)  # it learnt something
+    model, _ = load_model(str(path))  # loadable as a model
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a cached warm-start was trained again")
+
+    monkeypatch.setattr(sft, "train_sft", no_training)
+    assert warmstart(base_model, SPEC, seed=7, dtype="float32", show_progress=False) == path
+
+
+def test_the_cache_key_covers_every_field_and_the_seed(base_model):
+    keys = {warmstart_key(base_model, SPEC, seed=0, dtype="float32")}
+    changed = {"envs": ["magic-berry:easy"], "episodes": 5, "epochs": 2, "lr": 2e-3, "max_episode_tokens": 300,
+               "batch_size": 3, "precision": "bf16"}
+    assert set(changed) == {f.name for f in fields(WarmStart)}  # a new field must be added here (and to the key)
+    for name, value in changed.items():
+        keys.add(warmstart_key(base_model, replace(SPEC, **{name: value}), seed=0, dtype="float32"))
+    keys.add(warmstart_key(base_model, SPEC, seed=1, dtype="float32"))
+    keys.add(warmstart_key(base_model, SPEC, seed=0, dtype="bfloat16"))
+    keys.add(warmstart_key(base_model + "-other", SPEC, seed=0, dtype="float32"))
+    assert len(keys) == len(changed) + 4
+
+
+def test_demonstrations_are_deterministic_from_the_seed_and_only_from_training_tasks():
+    tokenizer = tiny_tokenizer()
+    spec = replace(SPEC, episodes=6)
+    samples, summary = demonstrations(spec, tokenizer, seed=1, use_cache=False)
+    again, _ = demonstrations(spec, tokenizer, seed=1, use_cache=False)
+    other, _ = demonstrations(spec, tokenizer, seed=2, use_cache=False)
+    assert summary["splits"] == ["train"] and summary["kept"] == len(samples) == 6
+    assert [s.extras for s in samples] == [s.extras for s in again]
+    assert [s.extras for s in samples] != [s.extras for s in other]
+    assert all(sum(s.mask) > 0 for s in samples)
+
+
+def test_interrupted_warm_start_resumes_from_its_last_epoch(base_model, tmp_path):
+    spec = replace(SPEC, epochs=2)
+    out = tmp_path / "sft"
+    straight = train_sft(base_model, spec, tmp_path / "straight", seed=0, show_progress=False)
+    train_sft(base_model, replace(spec, epochs=1), out, seed=0, show_progress=False)  # "killed" after epoch 1
+    resumed = train_sft(base_model, spec, out, seed=0, show_progress=False)
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [entry["epoch"] for entry in log] == [0, 0, 1, 1]
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all((a[name] == b[name]).all() for name in a)
