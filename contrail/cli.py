@@ -171,16 +171,21 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from contrail.train.demos import DemoSpec
-    from contrail.train.sft import SFTConfig, train_sft
+    """Behaviour cloning into ``--out``: the `WarmStart` a run's ``model.warmstart`` would train, from the same seed."""
+    from contrail.experiment import WarmStart
+    from contrail.seeds import derive_seed
+    from contrail.train.sft import train_sft
 
-    demos = DemoSpec(envs=tuple(_checked_specs(args.env)), episodes=args.episodes, seed=args.seed,
-                     max_episode_tokens=args.max_episode_tokens)
-    config = SFTConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
-                       precision=args.precision, lora=args.lora, micro_batch_tokens=args.micro_batch_tokens,
-                       gradient_checkpointing=args.gradient_checkpointing)
+    output_dir(args.out, Path(args.out))
+    try:
+        spec = WarmStart(envs=list(_checked_specs(args.env)), episodes=args.episodes, epochs=args.epochs,
+                         lr=args.lr, max_episode_tokens=args.max_episode_tokens, batch_size=args.batch_size,
+                         precision=args.precision)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     start = time.perf_counter()
-    model_dir = train_sft(args.model, demos, args.out, config, dtype=args.dtype, resume=not args.restart)
+    model_dir = train_sft(args.model, spec, args.out, seed=derive_seed(args.seed, "warmstart"), dtype=args.dtype,
+                          resume=not args.restart)
     summary = json.loads((Path(args.out) / "summary.json").read_text())
     made = summary["demonstrations"]
     console.print(
@@ -313,6 +318,7 @@ def _run_dir(path: str) -> Path:
 
 
 def add_training_arguments(parser: argparse.ArgumentParser, lr: float) -> None:
+    """GRPO optimisation options of ``contrail train``."""
     group = parser.add_argument_group("optimisation")
     group.add_argument("--lr", type=float, default=lr)
     group.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
@@ -362,13 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
     p_sft = sub.add_parser("sft", help="behaviour cloning on expert demonstrations (training tasks only)")
     add_model_arguments(p_sft)
     p_sft.add_argument("--env", action="append", required=True, help="environment spec (repeatable)")
+    # Defaults are WarmStart's, so `contrail sft` trains what a run's `model.warmstart: {envs: ...}` trains.
     p_sft.add_argument("--episodes", type=_positive, default=100, help="expert episodes, split over the envs")
     p_sft.add_argument("--epochs", type=_positive, default=2)
     p_sft.add_argument("--batch-size", type=_positive, default=8, help="episodes per optimizer step")
     p_sft.add_argument("--max-episode-tokens", type=_positive, default=2048)
+    p_sft.add_argument("--lr", type=float, default=1e-4)
+    p_sft.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     p_sft.add_argument("--out", required=True, help="output directory (its model/ is loadable by eval)")
     p_sft.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
-    add_training_arguments(p_sft, lr=1e-4)
     p_sft.set_defaults(handler=cmd_sft)
 
     p_train = sub.add_parser("train", help="GRPO on environments, evaluated before and after on test tasks")

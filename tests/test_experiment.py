@@ -160,6 +160,18 @@ def test_presets_by_name_mapping_and_preset_key(tmp_path):
     assert isinstance(build_strategy(exp), Curriculum) and build_strategy(exp).needs_base_success
 
 
+def test_a_strategy_class_by_path_with_options(tmp_path):
+    path = write(tmp_path, BASIC)
+    exp = load_experiment(path, ["strategy={name: 'contrail.strategies.replay:Replay', options: {replay_share: 0.5}}"])
+    strategy = build_strategy(exp)
+    assert isinstance(strategy, Replay) and strategy.replay_share == 0.5 and strategy.steps_per_experience == 3
+    with pytest.raises(ConfigError, match=r"override .*: strategy.options.share: unknown option of strategy "
+                                          r"'contrail.strategies.replay:Replay'; valid: replay_share"):
+        load_experiment(path, ["strategy={name: 'contrail.strategies.replay:Replay', options: {share: 1}}"])
+    with pytest.raises(ConfigError, match=r"override .*: strategy.name: "):
+        load_experiment(path, ["strategy.name=no.such.module:Nothing"])
+
+
 # --- round trips: config.yaml is exactly to_yaml() ------------------------------------------------
 
 
