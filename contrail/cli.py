@@ -159,7 +159,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                    for spec in _checked_specs(args.env)]
     tasks = {e.name: (e.test_tasks if args.split == "test" else e.train_tasks) for e in experiences}
     config = RolloutConfig(max_new_tokens=1024, max_episode_tokens=args.max_episode_tokens)
-    for label, backend, k in (("expert", ExpertBackend(chat), 1), ("random valid actions", RandomBackend(chat, args.seed), args.k)):
+    players = (("expert", ExpertBackend(chat), 1), ("random valid actions", RandomBackend(chat, args.seed), args.k))
+    for label, backend, k in players:
         start = time.perf_counter()
         results = evaluate(backend, chat, tasks, env_factory(experiences), k=k, config=config,
                            description=f"{label} on {args.split} tasks")
@@ -259,9 +260,9 @@ def print_run(result) -> None:
     matrix = result.matrix()
     table = Table(title=f"avg@k after each stage ({result.path})")
     table.add_column("stage")
-    for name, stage in zip(result.test, result.trained_at):
+    for name, stage in zip(result.test, result.trained_at, strict=True):
         table.add_column(f"{name}" + ("" if stage else " (held out)"), justify="right")
-    for row, values in zip(result.rows, matrix):
+    for row, values in zip(result.rows, matrix, strict=True):
         table.add_row(f"{row['stage']} {row['name']}", *(f"{v:.3f}" for v in values))
     console.print(table)
     metrics = "  ".join(f"{k} {v:+.3f}" for k, v in result.metrics.items())

@@ -249,7 +249,7 @@ class Experiment:
                 raise ValueError(f"seeds must be distinct, got {self.seeds}")
         self.orders = _checked_orders(self.orders)
         try:
-            self.eval_rollout
+            self.eval.rollout_for(self.rollout)  # evaluation's settings are valid too
         except ValueError as error:
             raise ValueError(f"eval.{error}") from None
 
@@ -349,7 +349,8 @@ class _Sources:
 # --- loading ---------------------------------------------------------------------------------
 
 
-def load_experiment(path: str | Path, overrides: Sequence[str] = (), preset_dirs: Sequence[str | Path] = ()) -> Experiment:
+def load_experiment(path: str | Path, overrides: Sequence[str] = (),
+                    preset_dirs: Sequence[str | Path] = ()) -> Experiment:
     """Read an experiment file, expand presets, apply ``overrides``, validate; see the module docstring.
 
     ``preset_dirs`` are searched for presets before the folders beside the
@@ -832,7 +833,7 @@ def _describe_run(run: Experiment, number: int, total: int, cache: dict[str, Exp
     trained_at = stream.trained_at([stage.new for stage in stages])
     k = run.eval.k
     tests = [f"{e.name} {len(e.test_tasks)} tasks ({f'trained in stage {s}' if s is not None else 'held out'})"
-             for e, s in zip(stream.test, trained_at)]
+             for e, s in zip(stream.test, trained_at, strict=True)]
     episodes = (len(stages) + 1) * sum(len(e.test_tasks) for e in stream.test) * k
     lines.append(f"  test after stages 0..{len(stages)} with k={k}: " + "; ".join(tests))
     lines.append(f"  evaluation total: {episodes} episodes")

@@ -197,12 +197,13 @@ def make_run(path: Path, strategy: StrategySpec, seed: int, matrix: list[list[in
     rows = []
     for stage, successes in enumerate(matrix):
         results, records = {}, []
-        for name, wins in zip(tests, successes):
+        for name, wins in zip(tests, successes, strict=True):
             env = name.partition(":")[0]
             for index in range(6):
                 task = Task(env, index // 2, "test", "easy")
-                records.append(Trajectory(task, [], [], [], [{"role": "user", "content": "go"}], reward=float(index < wins),
-                                          success=index < wins, turns=1, sample=index % 2).to_record())
+                records.append(Trajectory(task, [], [], [], [{"role": "user", "content": "go"}],
+                                          reward=float(index < wins), success=index < wins, turns=1,
+                                          sample=index % 2).to_record())
             solved = len({i // 2 for i in range(wins)})
             results[name] = EvalResult(tasks=3, k=2, avg_at_k=wins / 6, pass_at_k=solved / 3, reward=wins / 6,
                                        turns=1.0, generated_tokens=3.0, invalid_rate=0.0, truncated_rate=0.0,
