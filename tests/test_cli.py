@@ -15,7 +15,7 @@ from contrail.agent.rollout import Trajectory
 from contrail.cli import main
 from contrail.envs.base import Task
 from contrail.evaluation import EvalResult
-from contrail.experiment import Experiment, StrategySpec, StreamSpec
+from contrail.experiment import Experiment, StrategySpec, StreamSpec, run_label
 from contrail.testing import tiny_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,9 +44,10 @@ def assert_one_line_error(code, err, expected):
     (["eval", "--env", "textcraft:easy", "--model", "/no/such/model"], "model '/no/such/model' not found: tried"),
     (["eval", "--env", "textcraft:easy", "--device", "banana"], "device 'banana' is not a device; valid: auto, cpu"),
     (["eval", "--env", "textcraft:easy", "--top-p", "1.5"], "--top-p: top_p must be in (0, 1], got 1.5"),
-    (["sft", "--env", "nowhere", "--out", "x"], "unknown environment 'nowhere'"),
-    (["train", "--env", "textcraft:easy", "--out", "x", "--group-size", "1"], "group_size must be >= 2"),
-    (["train", "--env", "textcraft:easy", "--out", "x", "--device", "cuda:7"], "device 'cuda:7' is not available"),
+    (["sft", "--env", "nowhere", "--out", "{tmp}/x"], "unknown environment 'nowhere'"),
+    (["train", "--env", "textcraft:easy", "--out", "{tmp}/x", "--group-size", "1"], "group_size must be >= 2"),
+    (["train", "--env", "textcraft:easy", "--out", "{tmp}/x", "--device", "cuda:7"],
+     "device 'cuda:7' is not available"),
     (["run", "experiments/quickstart.yaml", "strategy=nonsense"],
      "override 'strategy=nonsense': strategy: unknown strategy preset 'nonsense'"),
     (["run", "experiments/quickstart.yaml", "model.device=banana", "--dry-run"],
@@ -58,9 +59,10 @@ def assert_one_line_error(code, err, expected):
     (["run", "no/such/experiment.yaml", "--dry-run"], "no/such/experiment.yaml: no such experiment file"),
     (["report", "/no/such/run"], "/no/such/run"),
 ])
-def test_bad_input_is_one_line_with_exit_code_2(capsys, argv, expected):
-    code, _, err = run_cli(capsys, *argv)
+def test_bad_input_is_one_line_with_exit_code_2(capsys, tmp_path, argv, expected):
+    code, _, err = run_cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
     assert_one_line_error(code, err, expected)
+    assert not (tmp_path / "x").exists()  # refused before anything was written
 
 
 def test_eval_out_pointing_at_a_file_is_refused_before_anything_runs(capsys, tmp_path):
@@ -184,8 +186,7 @@ def make_run(path: Path, strategy: StrategySpec, seed: int, matrix: list[list[in
     tests = ["magic:easy", "magic-berry:easy"]
     experiment = Experiment(name=path.name, out=str(path), seed=seed, strategy=strategy,
                             stream=StreamSpec(train=tests, test_tasks=3))
-    label = f"{strategy.name}{strategy.options}"
-    experiment.label = label
+    label = experiment.label = run_label(experiment)
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(experiment.to_yaml())
     stages = [{"index": i, "name": name, "new": [name], "steps": 1, "weights": {name: 1.0}, "seed": i}
