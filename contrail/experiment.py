@@ -265,7 +265,7 @@ class Experiment:
     @classmethod
     def from_yaml(cls, source: str | Path) -> "Experiment":
         """An experiment from YAML text or a file (presets and interpolation allowed), checked."""
-        if isinstance(source, Path) or ("\n" not in source and Path(source).is_file()):
+        if isinstance(source, Path) or _names_a_file(source):
             return load_experiment(source)
         sources = _Sources("experiment YAML")
         tree = _parse_yaml(source, "experiment YAML")
@@ -280,6 +280,16 @@ class Experiment:
         """
         _check(self, lambda key: "experiment")
         return self
+
+
+def _names_a_file(text: str) -> bool:
+    """Whether ``text`` is a path to an existing file rather than YAML text."""
+    if "\n" in text:
+        return False
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte: YAML text
+        return False
 
 
 def _checked_orders(orders: Any) -> Any:

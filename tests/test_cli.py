@@ -236,3 +236,20 @@ def test_report_and_compare_end_to_end(capsys, tmp_path):
     table = [line for line in out.splitlines() if line.startswith("| replay")]
     assert len(table) == 2  # two replay_share settings: never averaged together
     assert any("n=2" in line for line in table) and any("n=1" in line for line in table)
+
+
+def test_train_runs_one_experiment_whose_config_yaml_loads_back(capsys, tmp_path):
+    """``contrail train`` goes through the runner with its Experiment; the run's config.yaml is that Experiment."""
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    argv = ["train", "--model", str(tmp_path / "model"), "--env", "magic:easy", "--steps", "1",
+            "--out", str(tmp_path / "run"), "--device", "cpu", "--eval-tasks", "2", "-k", "1", "--group-size", "2",
+            "--tasks-per-step", "1", "--max-new-tokens", "3", "--max-episode-tokens", "128", "--batch-episodes", "4"]
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    expected = cli.train_experiment(cli.build_parser().parse_args(argv))
+    assert Experiment.from_yaml(tmp_path / "run" / "config.yaml") == expected
+    code, out, err = run_cli(capsys, "run", tmp_path / "run" / "config.yaml", "--dry-run")
+    assert code == 0, err
+    assert "stage 1 mixture: 1 steps × 1 tasks × group 2" in out
