@@ -1,24 +1,32 @@
 """Multi-turn GRPO on the masked-token trainer.
 
-One step (Shao et al. 2024; multi-turn as in AgentGym-RL):
+One step (Shao et al. 2024; multi-turn as in AgentGym-RL) is `collect` then
+`update`:
 
-1. sample ``tasks_per_step`` tasks and play ``group_size`` episodes of each
-   (the batched rollout engine; token-in/token-out);
-2. advantages: each episode's reward against its own group
+1. ``collect(tasks)``: play ``group_size`` episodes of each task (the batched
+   rollout engine; token-in/token-out);
+2. trajectory editors (if any) may add episodes (replay) or drop some;
+3. ``update(trajectories)``: groups where an environment raised are left out
+   whole; advantages: each episode's reward against its own group
    (`group_advantages`), broadcast to every generated token of the episode;
-3. updates: ``ppo_epochs`` passes of ``minibatches`` optimizer steps with the
-   clipped loss (`policy_loss`), log-probs recomputed only for the sampled
-   tokens, micro-batches packed by token budget.
+   ``ppo_epochs`` passes of ``minibatches`` optimizer steps with the clipped
+   loss (`policy_loss`) plus any added loss terms, log-probs recomputed only
+   for the sampled tokens, micro-batches packed by token budget.
 
-The trainer knows nothing about continual learning: it takes anything with
-``sample(n) -> list[Task]`` (and ``state_dict``/``load_state_dict`` to
-resume) as its task sampler.
+The trainer knows nothing about continual learning. A strategy changes what
+it does only through public seams: `add_loss_term` (a regulariser, given the
+model, the batch and the policy's log-probs of the sampled tokens) and
+`add_trajectory_editor` (a buffer); it reaches `model`, `tokenizer`,
+`policy` and `accelerator` by name. The task sampler is anything with
+``sample(n) -> list[Task]`` (and ``state_dict``/``load_state_dict`` to resume).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -32,39 +40,114 @@ from contrail.envs.base import Env, Task
 from contrail.grpo.advantage import group_advantages
 from contrail.grpo.config import GRPOConfig
 from contrail.grpo.loss import policy_loss
+from contrail.grpo.samples import GRPOSample, check_groups, drop_failed_groups, padded, to_samples
 from contrail.policy import Policy
 from contrail.progress import StepProgress
+from contrail.seeds import check_seed, derive_seed
 from contrail.train.logprobs import sequence_logprobs
-from contrail.train.trainer import Batch, MaskedTokenTrainer, Sample, collate, pack_by_tokens
+from contrail.train.trainer import Batch, MaskedTokenTrainer, collate, pack_by_tokens
+
+__all__ = ["GRPOTrainer", "LossTerm", "TaskSource", "TooManyEpisodeErrors", "TrajectoryEditor"]
+
+LossTerm = Callable[[torch.nn.Module, Batch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+"""``fn(model, batch, logprobs) -> (loss, stats)``: see `GRPOTrainer.add_loss_term`."""
+
+TrajectoryEditor = Callable[[list[Trajectory], "GRPOTrainer"], list[Trajectory]]
+"""``fn(trajectories, trainer) -> trajectories``: see `GRPOTrainer.add_trajectory_editor`."""
 
 
 class TaskSource(Protocol):
     def sample(self, n: int) -> list[Task]: ...
 
 
+class TooManyEpisodeErrors(RuntimeError):
+    """More of a step's episodes failed in their environment than ``GRPOConfig.max_error_rate`` allows."""
+
+
 class GRPOTrainer:
     """Reinforcement fine-tuning of a chat model from environment rewards.
 
-    >>> trainer = GRPOTrainer(model, tokenizer, GRPOConfig(), make_env=lambda t: envs.make(t.env))
+    >>> trainer = GRPOTrainer(model, tokenizer, GRPOConfig(), RolloutConfig(max_new_tokens=64),
+    ...                       make_env=lambda task: envs.make(task.env), seed=0)
     >>> trainer.train(sampler, steps=20)
+
+    ``seed`` is the run's root seed: rollout sampling uses
+    ``derive_seed(seed, "rollout", process_index)``, the minibatch shuffle of
+    update ``n`` ``derive_seed(seed, "update", n)``.
+
+    Attributes reachable by name: ``model`` (unwrapped), ``tokenizer``,
+    ``policy`` (chat format + sampling backend over the same weights),
+    ``accelerator``, ``masked_trainer`` (the optimizer loop), ``config``,
+    ``rollout`` and ``step_count`` (updates done, also after a resume).
     """
 
-    def __init__(self, model, tokenizer, config: GRPOConfig, make_env: Callable[[Task], Env],
-                 log_dir: str | Path | None = None, show_progress: bool = True):
-        self.config = config
-        self.make_env = make_env
+    def __init__(self, model, tokenizer, config: GRPOConfig, rollout: RolloutConfig,
+                 make_env: Callable[[Task], Env], *, seed: int = 0, log_dir: str | Path | None = None,
+                 show_progress: bool = True):
+        if not isinstance(config, GRPOConfig):
+            raise TypeError(f"config must be a GRPOConfig, got {type(config).__name__}")
+        if not isinstance(rollout, RolloutConfig):
+            raise TypeError(
+                f"rollout must be a RolloutConfig, got {type(rollout).__name__}; the signature is "
+                "GRPOTrainer(model, tokenizer, config, rollout, make_env, *, seed=0, log_dir=None)"
+            )
+        if rollout.temperature <= 0:
+            raise ValueError(
+                f"temperature must be > 0 for GRPO training (greedy rollouts make every group identical), "
+                f"got {rollout.temperature}"
+            )
+        self.config, self.rollout, self.make_env = config, rollout, make_env
+        self.seed = check_seed(seed)
         self.show_progress = show_progress
-        self.trainer = MaskedTokenTrainer(model, tokenizer, config, log_dir=log_dir)
-        self.accelerator = self.trainer.accelerator
-        policy = Policy.from_model(self.trainer.unwrapped, tokenizer,
-                                   seed=config.seed + 1000 * self.accelerator.process_index,
-                                   autocast_bf16=config.precision == "bf16")
-        self.chat, self.backend = policy.chat, policy.backend
+        self.masked_trainer = MaskedTokenTrainer(model, tokenizer, config, log_dir=log_dir, seed=seed)
+        self.accelerator = self.masked_trainer.accelerator
+        self.policy = Policy.from_model(self.model, tokenizer,
+                                        seed=derive_seed(seed, "rollout", self.accelerator.process_index),
+                                        autocast_bf16=config.precision == "bf16")
         self.reference = self._make_reference() if config.beta > 0 else None
         self.log_path = Path(log_dir) / "grpo_log.jsonl" if log_dir else None
         self.step_count = 0
+        self._loss_terms: list[LossTerm] = []
+        self._editors: list[TrajectoryEditor] = []
 
-    # --- public API ---------------------------------------------------------------
+    # --- names ------------------------------------------------------------------
+    @property
+    def model(self):
+        """The model being trained (unwrapped from Accelerate / DDP); the same weights the policy samples from."""
+        return self.masked_trainer.unwrapped
+
+    @property
+    def tokenizer(self):
+        return self.masked_trainer.tokenizer
+
+    # --- seams for strategies ------------------------------------------------------
+    def add_loss_term(self, fn: LossTerm) -> Callable[[], None]:
+        """Add ``fn(model, batch, logprobs) -> (loss, stats)`` to every update's loss; returns its remover.
+
+        ``batch`` is a micro-batch (`contrail.train.trainer.Batch`: ``input_ids``,
+        ``attention_mask``, ``loss_mask`` = 1 on the sampled tokens, ``start``);
+        ``logprobs`` are the current policy's ``(batch, tokens)`` log-probs of
+        those tokens (gradients flow through them). ``loss`` is a scalar: the
+        term's mean over the batch's sampled tokens, or a value that does not
+        depend on the batch (a penalty on the weights). The trainer weights it
+        by the batch's share of the minibatch, so micro-batching and data
+        parallelism leave the total unchanged. ``stats`` (floats) join the
+        step's stats, averaged over micro-batches.
+        """
+        self._loss_terms.append(fn)
+        return lambda: self._loss_terms.remove(fn) if fn in self._loss_terms else None
+
+    def add_trajectory_editor(self, fn: TrajectoryEditor) -> Callable[[], None]:
+        """Let ``fn(trajectories, trainer)`` edit each `step`'s trajectories before the update; returns its remover.
+
+        It may add episodes (replayed ones) or drop some, in whole groups of
+        ``group_size`` consecutive episodes of one task. Editors run in the
+        order they were added; `update` itself trains on what it is given.
+        """
+        self._editors.append(fn)
+        return lambda: self._editors.remove(fn) if fn in self._editors else None
+
+    # --- the loop -----------------------------------------------------------------
     def train(self, sampler: TaskSource, steps: int, on_step: Callable[[dict], None] | None = None,
               description: str = "GRPO") -> list[dict[str, float]]:
         """Run ``steps`` GRPO steps drawing tasks from ``sampler``; return each step's stats."""
@@ -83,104 +166,136 @@ class GRPOTrainer:
         return history
 
     def step(self, sampler: TaskSource) -> dict[str, float]:
-        """One GRPO step: rollouts, advantages, updates. Returns its logged stats."""
+        """One GRPO step: `collect` this process's share of ``tasks_per_step`` tasks, edit, `update`; log it."""
         start = time.perf_counter()
         tasks = sampler.sample(self.config.tasks_per_step)
         mine = tasks[self.accelerator.process_index::self.accelerator.num_processes] or tasks[:1]
-        trajectories = self._rollouts(mine)
+        trajectories = self.collect(mine)
         rollout_seconds = time.perf_counter() - start
-
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        advantages = group_advantages(rewards, self.config.group_size, scale=self.config.scale_advantages)
-        samples = self._samples(trajectories, advantages)
+        played = _rollout_stats(trajectories)
+        for editor in self._editors:
+            trajectories = editor(trajectories, self)
         update_start = time.perf_counter()
-        update_stats = self._update(samples) if self._should_update(samples, trajectories) else {"skipped_update": 1.0}
+        update_stats = self.update(trajectories)
         stats = {
-            "step": self.step_count + 1, **_rollout_stats(trajectories), **update_stats,
-            "advantage_mean": float(advantages.mean()), "advantage_std": float(advantages.std()),
-            "advantage_abs_mean": float(advantages.abs().mean()),
-            "trained_episodes": len(samples), "rollout_seconds": rollout_seconds,
+            "step": self.step_count, **played, **update_stats, "rollout_seconds": rollout_seconds,
             "update_seconds": time.perf_counter() - update_start, "step_seconds": time.perf_counter() - start,
         }
-        self.step_count += 1
         self._log(stats)
         return stats
 
-    @property
-    def model(self):
-        """The model being trained (unwrapped from Accelerate / DDP)."""
-        return self.trainer.unwrapped
+    def collect(self, tasks: list[Task]) -> list[Trajectory]:
+        """Play ``group_size`` episodes of each task with the current policy, on this process.
 
+        Returns the trajectories in groups: episodes ``[i*G, (i+1)*G)`` are
+        task ``i``'s, with ``sample`` numbers ``0..G-1``. An episode whose
+        environment raised is returned with its ``error`` set.
+        """
+        group = self.config.group_size
+        episodes = [task for task in tasks for _ in range(group)]
+        samples = [i % group for i in range(len(episodes))]
+        return rollout(self.policy.backend, self.policy.chat, episodes, self.make_env, self.rollout, samples=samples)
+
+    def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        """Train on ``trajectories`` (whole groups); return the update's stats. Counts one step.
+
+        Groups with an episode whose environment raised are left out whole
+        (``episode_errors``, ``dropped_groups``); when more than
+        ``max_error_rate`` of the episodes failed it raises
+        `TooManyEpisodeErrors` naming the first error. With no group left
+        that carries signal the optimizer is not stepped (``skipped_update``).
+        """
+        group = self.config.group_size
+        check_groups(trajectories, group)
+        errors = self._check_error_rate(trajectories)
+        kept, dropped = drop_failed_groups(trajectories, group)
+        rewards = torch.tensor([t.reward for t in kept], dtype=torch.float32)
+        advantages = group_advantages(rewards, group, scale=self.config.scale_advantages)
+        samples = to_samples(kept, advantages, self.config.skip_zero_advantage)
+        stats = {"episode_errors": float(errors), "dropped_groups": float(dropped),
+                 "trained_episodes": float(len(samples)), **_advantage_stats(advantages)}
+        if self._has_signal(samples):
+            stats.update(self._optimize(samples or [_filler(trajectories)]))
+        else:
+            stats["skipped_update"] = 1.0
+        self.step_count += 1
+        return stats
+
+    # --- checkpoints -----------------------------------------------------------------
     def save(self, directory: str | Path, sampler: Any = None, extra: dict | None = None) -> Path:
-        """A resumable checkpoint: model, optimizer, scheduler, RNG, sampler and rollout-sampling state."""
-        state = {"grpo_step": self.step_count, "backend_rng": self.backend.generator_state(), **(extra or {})}
+        """A resumable checkpoint: model, optimizer, scheduler, RNGs, step count, sampler and ``extra``.
+
+        Tensors go to safetensors / a ``weights_only`` file, the rest
+        (``extra`` and the sampler's state included) to JSON; non-finite
+        weights are refused (`contrail.train.trainer.NonFiniteError`).
+        """
+        state: dict[str, Any] = {"grpo_step": self.step_count, "extra": dict(extra or {}),
+                                 "backend_rng": self.policy.backend.generator_state()}
         if sampler is not None and hasattr(sampler, "state_dict"):
             state["sampler"] = sampler.state_dict()
-        return self.trainer.save(Path(directory), extra=state)
+        return self.masked_trainer.save(Path(directory), extra=state)
 
     def load_state(self, directory: str | Path, sampler: Any = None) -> dict:
-        """Restore what `save` wrote (the model weights are loaded by the caller)."""
-        extra = self.trainer.load_state(Path(directory))
-        self.step_count = extra["grpo_step"]
-        self.backend.set_generator_state(extra["backend_rng"])
-        if sampler is not None and "sampler" in extra:
-            sampler.load_state_dict(extra["sampler"])
-        return extra
+        """Restore what `save` wrote (the caller loads the model weights); return its ``extra``."""
+        state = self.masked_trainer.load_state(Path(directory))
+        self.step_count = int(state["grpo_step"])
+        self.policy.backend.set_generator_state(state["backend_rng"])
+        if sampler is not None and "sampler" in state:
+            sampler.load_state_dict(state["sampler"])
+        return state.get("extra", {})
 
-    # --- the three phases --------------------------------------------------------
-    def _rollouts(self, tasks: list[Task]) -> list[Trajectory]:
-        group = self.config.group_size
-        episodes = [task for task in tasks for _ in range(group)]  # consecutive = one group
-        samples = [i % group for i in range(len(episodes))]
-        config = RolloutConfig(self.config.max_new_tokens, self.config.max_episode_tokens,
-                               self.config.temperature, self.config.top_p, self.config.max_turns)
-        return rollout(self.backend, self.chat, episodes, self.make_env, config, samples=samples)
+    # --- inside an update ------------------------------------------------------------
+    def _check_error_rate(self, trajectories: list[Trajectory]) -> int:
+        failed = [t for t in trajectories if t.error is not None]
+        total_failed = self.masked_trainer.sum_over_processes(float(len(failed)))
+        total = self.masked_trainer.sum_over_processes(float(len(trajectories)))
+        if total and total_failed / total > self.config.max_error_rate:
+            first = (f"first: {failed[0].task.env} task {failed[0].task.id}: {failed[0].error}" if failed
+                     else "the failures were on another process")
+            raise TooManyEpisodeErrors(
+                f"{int(total_failed)} of {int(total)} episodes of step {self.step_count + 1} failed in their "
+                f"environment, above max_error_rate={self.config.max_error_rate:g}; {first}"
+            )
+        return len(failed)
 
-    def _samples(self, trajectories: list[Trajectory], advantages: torch.Tensor) -> list[Sample]:
-        samples = []
-        for traj, advantage in zip(trajectories, advantages.tolist()):
-            if sum(traj.mask) == 0:
-                continue  # nothing generated (a prompt over the token limit): nothing to train
-            if self.config.skip_zero_advantage and advantage == 0.0:
-                continue  # its group's rewards were all equal: the gradient would be zero anyway
-            samples.append(Sample(traj.ids, traj.mask, {"advantage": advantage}))
-        return samples
-
-    def _should_update(self, samples: list[Sample], trajectories: list[Trajectory]) -> bool:
+    def _has_signal(self, samples: list[GRPOSample]) -> bool:
         """Update when any process has a sample with signal; every process must then take part.
 
         Under data parallelism each process must run the same number of
-        optimizer steps, so a process whose groups all had equal rewards
-        trains on one of its episodes with advantage 0 (no policy gradient).
+        optimizer steps, so a process with nothing to train on trains on a
+        filler sample whose mask is empty (it adds nothing to any loss).
         """
-        if self.trainer.sum_over_processes(float(len(samples))) == 0:
-            return False
-        if not samples:
-            filler = next(t for t in trajectories if sum(t.mask))
-            samples.append(Sample(filler.ids, filler.mask, {"advantage": 0.0}))
-        return True
+        return self.masked_trainer.sum_over_processes(float(len(samples))) > 0
 
-    def _update(self, samples: list[Sample]) -> dict[str, float]:
+    def _optimize(self, samples: list[GRPOSample]) -> dict[str, float]:
         self._attach_old_and_ref_logprobs(samples)
-        rng = random.Random(self.config.seed * 7919 + self.step_count)
+        rng = random.Random(derive_seed(self.seed, "update", self.step_count))
         totals: dict[str, list[float]] = {}
         for _ in range(self.config.ppo_epochs):
             order = list(range(len(samples)))
             rng.shuffle(order)
-            minibatches = np.array_split(np.array(order), min(self.config.minibatches, len(order)))
-            for indices in minibatches:
+            for indices in np.array_split(np.array(order), min(self.config.minibatches, len(order))):
                 batch = [samples[i] for i in indices]
-                stats = self.trainer.step(batch, self._loss, normalizer=self._normalizer(batch))
+                stats = self.masked_trainer.step(batch, self._loss, normalizer=self._normalizer(batch))
                 for key, value in stats.items():
                     totals.setdefault(key, []).append(value)
-        return {key: float(np.mean(values)) for key, values in totals.items()}
+        out = {key: float(np.mean(values)) for key, values in totals.items()}
+        if "nonfinite_skipped" in totals:
+            out["nonfinite_skipped"] = float(sum(totals["nonfinite_skipped"]))
+        return out
 
-    def _normalizer(self, batch: list[Sample]) -> float:
+    def _normalizer(self, batch: list[GRPOSample]) -> float:
         if self.config.aggregation == "token-mean":
             local = float(sum(sum(s.mask) for s in batch))
         else:
             local = float(sum(1 for s in batch if any(s.mask)))
-        return max(self.trainer.sum_over_processes(local), 1.0)
+        return max(self.masked_trainer.sum_over_processes(local), 1.0)
+
+    def _share(self, batch: Batch, normalizer: float) -> float:
+        """This micro-batch's share of its minibatch, in the aggregation's units."""
+        if self.config.aggregation == "token-mean":
+            return float(batch.loss_mask.sum()) / normalizer
+        return float(batch.loss_mask.bool().any(dim=1).sum()) / normalizer
 
     @property
     def _single_update(self) -> bool:
@@ -189,69 +304,89 @@ class GRPOTrainer:
 
     def _loss(self, model, batch: Batch, normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
         # Logits only from the first generated token on: the prompt's would be discarded.
-        start = _first_masked_position(batch.loss_mask)
-        logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=start,
+        logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
                                               return_entropy=True)
+        samples: list[GRPOSample] = batch.samples  # type: ignore[assignment]
         # With a single update the ratio is exactly 1 at this point (as TRL does): no extra forward.
-        old = logprobs.detach() if self._single_update else batch.token_extra("old_logprobs")
+        old = logprobs.detach() if self._single_update else padded([s.old_logprobs for s in samples], batch)
+        ref = padded([s.ref_logprobs for s in samples], batch) if self.reference is not None else None
+        advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=logprobs.device)
         loss, stats = policy_loss(
-            logprobs, old, batch.sample_extra("advantage"), batch.loss_mask,
-            clip_low=self.config.clip_low, clip_high=self.config.clip_high, aggregation=self.config.aggregation,
-            ref_logprobs=batch.token_extra("ref_logprobs") if self.reference is not None else None,
+            logprobs, old, advantages, batch.loss_mask, clip_low=self.config.clip_low,
+            clip_high=self.config.clip_high, aggregation=self.config.aggregation, ref_logprobs=ref,
             beta=self.config.beta, entropy=entropy if self.config.entropy_coef > 0 else entropy.detach(),
             entropy_coef=self.config.entropy_coef, normalizer=normalizer,
         )
-        return loss, {k: float(v) for k, v in stats.items() if k != "tokens"}
+        stats = {k: float(v) for k, v in stats.items() if k != "tokens"}
+        if self._loss_terms:
+            share = self._share(batch, normalizer)
+            for term in list(self._loss_terms):
+                value, term_stats = term(model, batch, logprobs)
+                if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                    raise TypeError(f"loss term {term!r} must return (scalar tensor, stats), got {value!r}")
+                loss = loss + share * value
+                stats.update({k: float(v) for k, v in term_stats.items()})
+        return loss, stats
 
     @torch.no_grad()
-    def _attach_old_and_ref_logprobs(self, samples: list[Sample]) -> None:
+    def _attach_old_and_ref_logprobs(self, samples: list[GRPOSample]) -> None:
         """Log-probs of the sampled tokens under the policy before this step's updates (and the reference).
 
         Recomputed with the training forward rather than taken from the
         sampler, so the first update's ratio is exactly 1 (as TRL and verl do).
         """
-        models = [] if self._single_update else [("old_logprobs", self.trainer.model)]
+        models = [] if self._single_update else [("old_logprobs", self.masked_trainer.model)]
         if self.reference is not None:
             models.append(("ref_logprobs", self.reference))
         if not models:
             return
-        self.trainer.model.eval()
+        self.masked_trainer.model.eval()
+        pad = self.tokenizer.pad_token_id
         for group in pack_by_tokens([len(s.ids) for s in samples], self.config.micro_batch_tokens):
-            batch = collate([samples[i] for i in group], self.trainer.tokenizer.pad_token_id, self.accelerator.device)
-            for key, model in models:
-                with self.trainer.autocast(), self._reference_context(key):
+            batch = collate([samples[i] for i in group], pad, self.accelerator.device)
+            for field, model in models:
+                with self.masked_trainer.autocast(), self._reference_context(field):
                     logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask,
-                                                 start=_first_masked_position(batch.loss_mask)).float().cpu()
+                                                 start=batch.start).float().cpu()
                 for row, index in enumerate(group):
-                    samples[index].extras[key] = logprobs[row, : len(samples[index].ids)].tolist()
+                    setattr(samples[index], field, logprobs[row, : len(samples[index].ids)].clone())
 
     def _make_reference(self):
         """The model at the start of training, frozen. With LoRA the base model *is* the reference."""
         if self.config.lora:
-            return self.trainer.model
-        reference = copy.deepcopy(self.trainer.unwrapped).eval()
+            return self.masked_trainer.model
+        reference = copy.deepcopy(self.model).eval()
         for parameter in reference.parameters():
             parameter.requires_grad_(False)
         return reference
 
-    def _reference_context(self, key: str):
-        import contextlib
-
-        if key == "ref_logprobs" and self.config.lora:
-            return self.trainer.unwrapped.disable_adapter()
+    def _reference_context(self, field: str):
+        if field == "ref_logprobs" and self.config.lora:
+            return self.model.disable_adapter()
         return contextlib.nullcontext()
 
     def _log(self, stats: dict[str, float]) -> None:
-        self.accelerator.log({k: v for k, v in stats.items() if isinstance(v, (int, float))}, step=self.step_count)
+        numbers = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+        self.accelerator.log(numbers, step=self.step_count)
         if self.log_path is not None and self.accelerator.is_main_process:
+            # JSON has no NaN: a non-finite value (a skipped update's loss) is written as null.
+            line = {k: (v if not isinstance(v, float) or math.isfinite(v) else None) for k, v in stats.items()}
             with open(self.log_path, "a", encoding="utf-8") as sink:
-                sink.write(json.dumps(stats) + "\n")
+                sink.write(json.dumps(line) + "\n")
 
 
-def _first_masked_position(mask: torch.Tensor) -> int:
-    """The earliest position any row trains on (at least 1: position 0 has no predecessor)."""
-    columns = torch.nonzero(mask.any(dim=0))
-    return max(int(columns[0]) if len(columns) else 1, 1)
+def _filler(trajectories: list[Trajectory]) -> GRPOSample:
+    """A sample with an empty mask: lets a process take part in a data-parallel update, adding nothing."""
+    ids = trajectories[0].ids or [0]
+    return GRPOSample(ids=list(ids), mask=[0] * len(ids), advantage=0.0)
+
+
+def _advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
+    if advantages.numel() == 0:
+        return {"advantage_mean": 0.0, "advantage_std": 0.0, "advantage_abs_mean": 0.0}
+    return {"advantage_mean": float(advantages.mean()),
+            "advantage_std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
+            "advantage_abs_mean": float(advantages.abs().mean())}
 
 
 def _rollout_stats(trajectories: list[Trajectory]) -> dict[str, float]:
@@ -264,5 +399,4 @@ def _rollout_stats(trajectories: list[Trajectory]) -> dict[str, float]:
         "episode_tokens_mean": float(np.mean([len(t.ids) for t in trajectories])),
         "invalid_rate": sum(t.invalid_actions for t in trajectories) / turns if turns else 0.0,
         "truncated_rate": float(np.mean([t.truncated for t in trajectories])),
-        "episode_errors": float(sum(t.error is not None for t in trajectories)),
     }

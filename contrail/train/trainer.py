@@ -11,11 +11,20 @@ add up to the gradient of the whole batch.
 Data parallel: under ``accelerate launch`` each process trains on its own
 share of samples; the loss normalizer is summed over processes so the
 averaged gradient equals the single-process gradient of the whole batch.
+
+Failures are loud and never corrupt a checkpoint: an optimizer step whose loss
+or gradient is not finite is skipped (and logged), ``max_nonfinite_steps`` of
+them in a row raise `NonFiniteError`, and weights that are not finite are never
+saved. Checkpoints hold tensors (safetensors, ``torch.load(weights_only=True)``)
+and JSON only: loading one never runs code.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
+import pickle
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,15 +34,31 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
+from contrail.seeds import check_seed, derive_seed
 from contrail.train.config import TrainConfig
+
+log = logging.getLogger("contrail.train")
+
+STATE_TENSORS = "trainer_state.pt"   # optimizer, scheduler, RNG and any tensor extras (weights_only)
+STATE_JSON = "trainer_state.json"    # step counts and every other extra
+
+
+class NonFiniteError(RuntimeError):
+    """Training stopped: updates kept producing non-finite losses, gradients or weights."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that is not tensors-only or JSON (it is refused, never unpickled)."""
 
 
 @dataclass
 class Sample:
-    """One training sequence: ids, the mask of learned tokens, and per-sample extras.
+    """One training sequence: ids and the mask of learned tokens.
 
-    ``extras`` holds per-token lists aligned with ``ids`` (e.g. old log-probs)
-    and per-sample scalars (e.g. the advantage), read by the loss function.
+    Trainers that need more per sample subclass it with typed fields (GRPO's
+    `contrail.grpo.samples.GRPOSample` adds the advantage and log-probs).
+    ``extras`` is free-form metadata for people and caches (which task a
+    demonstration came from); no loss reads it.
     """
 
     ids: list[int]
@@ -54,17 +79,15 @@ class Batch:
     loss_mask: torch.Tensor
     samples: list[Sample]
 
-    def token_extra(self, key: str) -> torch.Tensor:
-        """A per-token extra as a padded ``(batch, length)`` float tensor."""
-        out = torch.zeros(self.input_ids.shape, dtype=torch.float32)
-        for row, sample in enumerate(self.samples):
-            values = sample.extras[key]
-            out[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
-        return out.to(self.input_ids.device)
+    @property
+    def start(self) -> int:
+        """The earliest position any row trains on (at least 1: position 0 has no predecessor).
 
-    def sample_extra(self, key: str) -> torch.Tensor:
-        """A per-sample scalar extra as a ``(batch,)`` float tensor."""
-        return torch.tensor([s.extras[key] for s in self.samples], dtype=torch.float32, device=self.input_ids.device)
+        Pass it as ``sequence_logprobs(..., start=batch.start)`` to skip the
+        prompt's logits, which no loss reads.
+        """
+        columns = torch.nonzero(self.loss_mask.any(dim=0))
+        return max(int(columns[0]) if len(columns) else 1, 1)
 
 
 LossFn = Callable[[torch.nn.Module, Batch, float], tuple[torch.Tensor, dict[str, float]]]
@@ -119,17 +142,21 @@ def _apply_lora(model, config: TrainConfig):
 class MaskedTokenTrainer:
     """Optimizer steps of a caller-defined loss over masked-token samples.
 
-    >>> trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=1e-4))
+    >>> trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=1e-4), seed=0)
     >>> stats = trainer.step(samples, cross_entropy_loss)
     >>> trainer.save(Path("out/checkpoint"))
+
+    ``seed`` seeds the process-wide RNGs (dropout, LoRA's initialisation) with
+    ``derive_seed(seed, "train", process_index)``.
     """
 
     def __init__(self, model, tokenizer, config: TrainConfig, accelerator: Accelerator | None = None,
-                 log_dir: str | Path | None = None):
+                 log_dir: str | Path | None = None, *, seed: int = 0):
         self.config = config
         self.tokenizer = tokenizer
+        self.seed = check_seed(seed)
         self.accelerator = accelerator or make_accelerator(config, log_dir)
-        _seed_everything(config.seed + self.accelerator.process_index)
+        _seed_everything(derive_seed(seed, "train", self.accelerator.process_index))
         if config.lora:
             model = _apply_lora(model, config)
         if config.gradient_checkpointing:
@@ -140,7 +167,8 @@ class MaskedTokenTrainer:
         warmup = max(1, config.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        self.global_step = 0
+        self.global_step = 0          # optimizer steps taken (skipped ones not counted)
+        self.nonfinite_streak = 0     # skipped steps in a row
 
     # --- the one operation -----------------------------------------------------
     def step(self, samples: list[Sample], loss_fn: LossFn, normalizer: float | None = None) -> dict[str, float]:
@@ -149,34 +177,79 @@ class MaskedTokenTrainer:
         ``loss_fn(model, batch, normalizer)`` returns a loss whose sum over
         micro-batches is the batch loss; ``normalizer`` defaults to the number
         of masked tokens in the whole batch, summed over processes.
+
+        When the loss or the gradient is not finite the step is skipped (no
+        weight, optimizer or scheduler change; ``nonfinite_skipped`` is 1 in
+        the stats); ``config.max_nonfinite_steps`` in a row raise
+        `NonFiniteError`. An update that makes the weights non-finite raises
+        at once (they cannot be restored).
         """
         if not samples:
             raise ValueError("a training step needs at least one sample")
         local_tokens = float(sum(sum(s.mask) for s in samples))
         if normalizer is None:
             normalizer = max(self.sum_over_processes(local_tokens), 1.0)
+        totals, micro_batches = self._accumulate(samples, loss_fn, normalizer)
+        grad_norm = self._clip()
+        totals.update(grad_norm=grad_norm, micro_batches=micro_batches, tokens=local_tokens)
+        if not self._all_finite(totals["loss"], grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            self._skip_nonfinite(totals)
+            return {**totals, "nonfinite_skipped": 1.0, "lr": self.scheduler.get_last_lr()[0]}
+        self.nonfinite_streak = 0
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.global_step += 1
+        if not self.weights_finite(trainable_only=True):
+            raise NonFiniteError(
+                f"optimizer step {self.global_step} made the weights non-finite from a finite gradient "
+                f"(lr={self.config.lr:g}); nothing was saved. Lower the learning rate."
+            )
+        totals["lr"] = self.scheduler.get_last_lr()[0]
+        return totals
+
+    def _accumulate(self, samples: list[Sample], loss_fn: LossFn, normalizer: float) -> tuple[dict[str, float], int]:
+        """Forward and backward over the micro-batches; gradients add up to the batch's."""
         # DDP averages gradients over processes; undo that so they sum, as in one process.
         scale = float(self.accelerator.num_processes)
         groups = pack_by_tokens([len(s.ids) for s in samples], self.config.micro_batch_tokens)
         self.model.train()
-        totals: dict[str, float] = {}
+        totals: dict[str, float] = {"loss": 0.0}
         for number, group in enumerate(groups):
             batch = collate([samples[i] for i in group], self.tokenizer.pad_token_id, self.accelerator.device)
             last = number == len(groups) - 1
             with self._sync_gradients(last), self.autocast():
                 loss, stats = loss_fn(self.model, batch, normalizer)
             self.accelerator.backward(loss * scale)
-            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+            totals["loss"] += float(loss.detach())
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value) * len(group) / len(samples)
-        grad_norm = self._clip()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.global_step += 1
-        totals.update(grad_norm=grad_norm, lr=self.scheduler.get_last_lr()[0], micro_batches=len(groups),
-                      tokens=local_tokens)
-        return totals
+        return totals, len(groups)
+
+    def _all_finite(self, loss: float, grad_norm: float) -> bool:
+        """Whether the loss and gradient are finite on every process (all skip together)."""
+        bad = 0.0 if math.isfinite(loss) and math.isfinite(grad_norm) else 1.0
+        return self.sum_over_processes(bad) == 0.0
+
+    def _skip_nonfinite(self, totals: dict[str, float]) -> None:
+        self.nonfinite_streak += 1
+        limit = self.config.max_nonfinite_steps
+        log.warning("skipped an update with a non-finite loss or gradient (loss %s, grad norm %s); %d in a row of "
+                    "at most %d", totals["loss"], totals["grad_norm"], self.nonfinite_streak, limit)
+        if self.nonfinite_streak >= limit:
+            raise NonFiniteError(
+                f"training stopped: {self.nonfinite_streak} updates in a row had a non-finite loss or gradient "
+                f"(last: loss {totals['loss']}, grad norm {totals['grad_norm']}; max_nonfinite_steps={limit}). "
+                "Lower the learning rate or check the loss terms."
+            )
+
+    def weights_finite(self, trainable_only: bool = False) -> bool:
+        """Whether every (trainable) weight is finite; one device synchronisation."""
+        params = [p for p in self.model.parameters() if p.requires_grad or not trainable_only]
+        if not params:
+            return True
+        return bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all())
 
     def autocast(self):
         """bf16 compute with fp32 master weights when ``precision == "bf16"`` (CPU and GPU).
@@ -214,8 +287,13 @@ class MaskedTokenTrainer:
         return self.accelerator.unwrap_model(self.model)
 
     def save_model(self, directory: Path) -> Path:
-        """Save weights (or the LoRA adapter) and tokenizer, loadable by `contrail.models.load_model`."""
+        """Save weights (or the LoRA adapter) and tokenizer, loadable by `contrail.models.load_model`.
+
+        Refuses (`NonFiniteError`, nothing written) when a weight is not finite.
+        """
         directory = Path(directory)
+        if not self.weights_finite():
+            raise NonFiniteError(f"refusing to save non-finite weights to {directory}")
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             staging = directory.with_name(directory.name + ".tmp")
@@ -226,17 +304,26 @@ class MaskedTokenTrainer:
         return directory
 
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> Path:
-        """A resumable checkpoint: ``model/`` plus optimizer, scheduler, RNG, step and ``extra``."""
+        """A resumable checkpoint: ``model/``, ``trainer_state.pt`` and ``trainer_state.json``.
+
+        ``trainer_state.pt`` holds only tensors and plain containers (optimizer,
+        scheduler, RNG states, and the tensor values of ``extra``), so it loads
+        with ``torch.load(weights_only=True)``; ``trainer_state.json`` holds the
+        step counts and every other value of ``extra``, which must be JSON-able.
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
+        extra = dict(extra or {})
+        tensors = {k: v for k, v in extra.items() if isinstance(v, torch.Tensor)}
+        plain = {k: v for k, v in extra.items() if k not in tensors}
+        meta = json.dumps({"global_step": self.global_step, "nonfinite_streak": self.nonfinite_streak,
+                           "extra": plain, "tensor_extras": sorted(tensors)}, indent=2)  # fails early if not JSON
         self.save_model(directory / "model")
         if self.accelerator.is_main_process:
-            state = {
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "global_step": self.global_step, "rng": _rng_state(), "extra": extra or {},
-            }
-            torch.save(state, directory / "trainer_state.pt.tmp")
-            (directory / "trainer_state.pt.tmp").replace(directory / "trainer_state.pt")
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                     "rng": _rng_state(), "extra": {k: v.detach().cpu() for k, v in tensors.items()}}
+            _write_atomic(directory / STATE_TENSORS, lambda path: torch.save(state, path))
+            _write_atomic(directory / STATE_JSON, lambda path: path.write_text(meta, encoding="utf-8"))
             (directory / "train_config.json").write_text(json.dumps(self.config.__dict__, indent=2, default=str))
         self.accelerator.wait_for_everyone()
         return directory
@@ -245,14 +332,37 @@ class MaskedTokenTrainer:
         """Restore optimizer, scheduler, RNG and step from `save`; return its ``extra``.
 
         The model weights are loaded by the caller (``load_model(directory / "model")``)
-        before the trainer is built, so LoRA and full models resume alike.
+        before the trainer is built, so LoRA and full models resume alike. A
+        ``trainer_state.pt`` that holds anything but tensors and plain
+        containers is refused with `CheckpointError` (it is never unpickled).
         """
-        state = torch.load(Path(directory) / "trainer_state.pt", map_location="cpu", weights_only=False)
+        directory = Path(directory)
+        state = load_tensors_file(directory / STATE_TENSORS)
+        meta = json.loads((directory / STATE_JSON).read_text(encoding="utf-8"))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.global_step = state["global_step"]
+        self.global_step = int(meta["global_step"])
+        self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
         _set_rng_state(state["rng"])
-        return state["extra"]
+        return {**meta["extra"], **state["extra"]}
+
+
+def load_tensors_file(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)``; a file that needs more (code) raises `CheckpointError`."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"{path}: refused to load: not a tensors-only checkpoint ({reason}); contrail loads checkpoints "
+            "with weights_only=True and never runs code from a file"
+        ) from None
+
+
+def _write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
+    staging = path.with_name(path.name + ".tmp")
+    write(staging)
+    staging.replace(path)
 
 
 def make_accelerator(config: TrainConfig, log_dir: str | Path | None = None) -> Accelerator:
@@ -303,19 +413,30 @@ def _seed_everything(seed: int) -> None:
 
 
 def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every process-wide RNG state as tensors (so it loads with ``weights_only=True``)."""
+    version, internal, gauss = random.getstate()
+    kind, keys, position, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": torch.tensor(internal, dtype=torch.int64),
+        "python_meta": torch.tensor([version, math.nan if gauss is None else gauss], dtype=torch.float64),
+        "numpy": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+        "numpy_meta": torch.tensor([position, has_gauss, cached], dtype=torch.float64),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, gauss = state["python_meta"].tolist()
+    random.setstate((int(version), tuple(state["python"].tolist()), None if math.isnan(gauss) else gauss))
+    position, has_gauss, cached = state["numpy_meta"].tolist()
+    np.random.set_state(("MT19937", state["numpy"].numpy().astype(np.uint32), int(position), int(has_gauss), cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-__all__ = ["Batch", "MaskedTokenTrainer", "Sample", "collate", "cross_entropy_loss", "make_accelerator",
-           "pack_by_tokens"]
+__all__ = ["STATE_JSON", "STATE_TENSORS", "Batch", "CheckpointError", "MaskedTokenTrainer", "NonFiniteError",
+           "Sample", "collate", "cross_entropy_loss", "load_tensors_file", "make_accelerator", "pack_by_tokens"]
