@@ -119,11 +119,12 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     start_model = _start_model(experiment, show_progress)
     model, tokenizer = _load(experiment, run_dir, done, start_model)
     if saved_plan is None:
-        plan = _make_plan(experiment, stream, strategy, model, tokenizer, start_model, show_progress)
-        if processes.is_main_process:
-            _write_json(run_dir.path / PLAN, plan)
-    else:
-        plan = saved_plan  # resuming replays the recorded plan (and its measured base success)
+        if processes.is_main_process:  # one process plans (and measures), every process reads that plan
+            _write_json(run_dir.path / PLAN,
+                        _make_plan(experiment, stream, strategy, model, tokenizer, start_model, show_progress))
+        processes.wait_for_everyone()
+    # Training follows plan.json, also when resuming: the recorded plan (and measured base success) replays.
+    plan = _read_plan(run_dir)
     stages = [Stage.from_dict(d) for d in plan["stages"]]
 
     trainer = _make_trainer(experiment, stream, model, tokenizer, run_dir, show_progress)

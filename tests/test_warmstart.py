@@ -95,3 +95,59 @@ def test_interrupted_warm_start_resumes_from_its_last_epoch(base_model, tmp_path
     assert [entry["epoch"] for entry in log] == [0, 0, 1, 1]
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all((a[name] == b[name]).all() for name in a)
+
+
+def test_demonstrations_render_like_rollouts_and_mask_assistant_tokens():
+    from contrail.agent import ChatFormat, RolloutConfig, rollout
+    from contrail.agent.scripted import ExpertBackend
+    from contrail.stream import Experience
+    from contrail.testing import MagicWordEnv
+    from contrail.train.demos import EXPERT_MAX_NEW_TOKENS, plan_tasks
+
+    tokenizer = tiny_tokenizer()
+    samples, summary = demonstrations(SPEC, tokenizer, seed=3, use_cache=False)
+    assert summary["kept"] == 4
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    tasks = plan_tasks([Experience.from_spec("magic:easy")], 4, 3)
+    config = RolloutConfig(max_new_tokens=EXPERT_MAX_NEW_TOKENS, max_episode_tokens=SPEC.max_episode_tokens)
+    direct = rollout(ExpertBackend(chat), chat, tasks, lambda t: MagicWordEnv(), config)
+    assert [s.ids for s in samples] == [t.ids for t in direct]
+    for sample, traj in zip(samples, direct):
+        rendered = tokenizer.apply_chat_template(traj.messages, tokenize=False)
+        assert sample.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        learned = [i for i, m in zip(sample.ids, sample.mask) if m]
+        assert learned == tokenizer("apple", add_special_tokens=False)["input_ids"] + chat.assistant_close_ids[:1]
+
+
+def test_demonstrations_are_cached_by_what_shapes_them():
+    tokenizer = tiny_tokenizer()
+    first, _ = demonstrations(SPEC, tokenizer, seed=1)
+    assert len(list((sft.cache_dir() / "demos").glob("*.jsonl"))) == 1
+    # training settings do not shape demonstrations: the same cached file serves them
+    second, _ = demonstrations(replace(SPEC, lr=0.5, epochs=9, batch_size=1), tokenizer, seed=1)
+    assert len(list((sft.cache_dir() / "demos").glob("*.jsonl"))) == 1
+    assert [s.ids for s in first] == [s.ids for s in second]
+    demonstrations(replace(SPEC, episodes=5), tokenizer, seed=1)
+    demonstrations(SPEC, tokenizer, seed=2)
+    assert len(list((sft.cache_dir() / "demos").glob("*.jsonl"))) == 3
+
+
+def test_a_cut_short_epoch_is_logged_once_after_resuming(base_model, tmp_path, monkeypatch):
+    from contrail.train.trainer import MaskedTokenTrainer
+
+    spec = replace(SPEC, epochs=2)
+    real_step, calls = MaskedTokenTrainer.step, {"n": 0}
+
+    def die_in_epoch_two(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # epoch 1's second step: its first step is logged, its checkpoint never written
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MaskedTokenTrainer, "step", die_in_epoch_two)
+        with pytest.raises(KeyboardInterrupt):
+            train_sft(base_model, spec, tmp_path / "bc", seed=0, show_progress=False)
+    train_sft(base_model, spec, tmp_path / "bc", seed=0, show_progress=False)
+    log = [json.loads(line) for line in (tmp_path / "bc" / "log.jsonl").read_text().splitlines()]
+    assert [(entry["epoch"], entry["step"]) for entry in log] == [(0, 1), (0, 2), (1, 3), (1, 4)]
