@@ -1,0 +1,287 @@
+"""Forgetting beyond success: how far the policy moved, whether or not success changed.
+
+Three measures per stage, pure functions the runner stores in a row's
+``"drift"`` entry (`drift_row` builds it) and the report shows:
+
+- `policy_kl`: the forward KL ``KL(p ‖ q)`` from the start model ``p`` to the
+  current policy ``q`` on tokens sampled from ``p`` (the quantity "RL's Razor",
+  Shenfeld et al. 2025, ties to forgetting), per test experience on its own
+  prompts. With ``r = log q(x) − log p(x)`` at each sampled token, the
+  standard estimators (Schulman 2020, "Approximating KL divergence") are
+  ``k1 = −r`` (unbiased, noisy, may be negative), ``k2 = r²/2`` (biased, low
+  variance) and ``k3 = e^r − 1 − r`` (unbiased, never negative). With both
+  models at hand, ``exact`` is the full-vocabulary KL at the same positions.
+  `kl_from_logprobs` needs only ``q``: ``log p`` of the sampled tokens is what
+  the start model's sampler recorded (``Trajectory.logprobs`` of row 0, valid
+  as ``p`` itself at temperature 1 and top-p 1).
+- `parameter_change`: the share of parameters that moved beyond a tolerance
+  between two state dicts (the previous stage's and this one's).
+- `turnover`: the test tasks solved at row ``s − 1`` and failed at row ``s``
+  (lost) and the reverse (gained), from per-task success rates.
+
+Shape of a row's ``"drift"`` entry (every key optional)::
+
+    {"kl": {"babyai:easy": {"k1": .., "k2": .., "k3": .., "exact": .., "se_k1": .., "se_k3": .., "tokens": 812,
+                            "sequences": 40}, ...},
+     "params": {"changed": 1204, "total": 134515008, "fraction": 8.9e-06, "atol": 0.0, "rtol": 0.0}}
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "KLEstimate",
+    "ParameterChange",
+    "Turnover",
+    "drift_row",
+    "kl_from_logprobs",
+    "parameter_change",
+    "policy_kl",
+    "task_successes",
+    "turnover",
+]
+
+
+@dataclass(frozen=True)
+class KLEstimate:
+    """Per-token ``KL(p ‖ q)`` estimates over ``tokens`` sampled tokens in ``sequences`` sequences.
+
+    ``se_*`` are standard errors with sequences as the sampling unit (tokens of
+    one sequence are not independent). ``exact`` is ``nan`` when only
+    ``log p`` of the sampled tokens was known.
+    """
+
+    k1: float
+    k2: float
+    k3: float
+    exact: float
+    se_k1: float
+    se_k3: float
+    tokens: int
+    sequences: int
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+@torch.no_grad()
+def policy_kl(model_p, model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
+              masks: Sequence[Sequence[int]] | torch.Tensor, *, batch_size: int = 8, pad_id: int = 0) -> KLEstimate:
+    """``KL(p ‖ q)`` per token on the positions ``masks`` marks, which must hold tokens sampled from ``p``.
+
+    ``model_p``/``model_q`` are causal LMs called as ``model(input_ids=...,
+    attention_mask=...)`` returning ``.logits``; ``sequences[i][t]`` is a token
+    id and ``masks[i][t] == 1`` where it was sampled (position 0 is never
+    scored: nothing predicts it). Sequences are right-padded in batches of
+    ``batch_size``.
+    """
+    totals = _Totals()
+    for ids, attention, scored in _batches(sequences, masks, batch_size, pad_id, _device(model_p)):
+        logp = torch.log_softmax(model_p(input_ids=ids, attention_mask=attention).logits[:, :-1].double(), -1)
+        logq = torch.log_softmax(model_q(input_ids=ids, attention_mask=attention).logits[:, :-1].double(), -1)
+        targets = ids[:, 1:].unsqueeze(-1)
+        ratio = (logq.gather(-1, targets) - logp.gather(-1, targets)).squeeze(-1)
+        exact = (logp.exp() * (logp - logq)).sum(-1)
+        totals.add(ratio, scored, exact)
+    return totals.estimate()
+
+
+@torch.no_grad()
+def kl_from_logprobs(model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
+                     masks: Sequence[Sequence[int]] | torch.Tensor, logprobs_p: Sequence[Sequence[float]] | torch.Tensor,
+                     *, batch_size: int = 8, pad_id: int = 0) -> KLEstimate:
+    """`policy_kl` when ``p`` is known only through ``logprobs_p[i][t] = log p(sequences[i][t])`` (where masked).
+
+    The start model's sampler records exactly these, so the current policy
+    alone is run; ``exact`` is ``nan``.
+    """
+    totals = _Totals()
+    logp_rows = [torch.as_tensor(row, dtype=torch.float64) for row in logprobs_p]
+    start = 0
+    for ids, attention, scored in _batches(sequences, masks, batch_size, pad_id, _device(model_q)):
+        rows = logp_rows[start:start + ids.shape[0]]
+        start += ids.shape[0]
+        logp = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
+        for i, row in enumerate(rows):
+            logp[i, :row.numel()] = row.to(ids.device)
+        logq_all = torch.log_softmax(model_q(input_ids=ids, attention_mask=attention).logits[:, :-1].double(), -1)
+        logq = logq_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        totals.add(logq - logp[:, 1:], scored, None)
+    return totals.estimate()
+
+
+def _device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+def _batches(sequences, masks, batch_size: int, pad_id: int, device: torch.device):
+    """(ids, attention mask, scored positions of ids[:, 1:]) per batch, right-padded."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    seqs = [torch.as_tensor(s, dtype=torch.long).flatten() for s in sequences]
+    mask_rows = [torch.as_tensor(m).flatten().bool() for m in masks]
+    if len(seqs) != len(mask_rows):
+        raise ValueError(f"{len(seqs)} sequences but {len(mask_rows)} masks")
+    for i, (s, m) in enumerate(zip(seqs, mask_rows)):
+        if s.shape != m.shape:
+            raise ValueError(f"sequence {i} has {s.numel()} tokens but its mask has {m.numel()}")
+    for begin in range(0, len(seqs), batch_size):
+        chunk, chunk_masks = seqs[begin:begin + batch_size], mask_rows[begin:begin + batch_size]
+        width = max(s.numel() for s in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(chunk), width), dtype=torch.long)
+        scored = torch.zeros((len(chunk), width), dtype=torch.bool)
+        for i, (s, m) in enumerate(zip(chunk, chunk_masks)):
+            ids[i, :s.numel()], attention[i, :s.numel()], scored[i, :s.numel()] = s, 1, m
+        yield ids.to(device), attention.to(device), scored[:, 1:].to(device)
+
+
+class _Totals:
+    """Per-sequence sums of the estimators' terms, for token means and sequence-clustered errors."""
+
+    def __init__(self) -> None:
+        self.k1: list[float] = []
+        self.k2: list[float] = []
+        self.k3: list[float] = []
+        self.exact: list[float] = []
+        self.counts: list[int] = []
+        self.has_exact = True
+
+    def add(self, ratio: torch.Tensor, scored: torch.Tensor, exact: torch.Tensor | None) -> None:
+        weight = scored.double()
+        ratio = torch.where(scored, ratio, torch.zeros_like(ratio))
+        self.k1 += (-ratio * weight).sum(-1).tolist()
+        self.k2 += (0.5 * ratio.pow(2) * weight).sum(-1).tolist()
+        self.k3 += ((ratio.exp() - 1 - ratio) * weight).sum(-1).tolist()
+        self.counts += scored.sum(-1).tolist()
+        if exact is None:
+            self.has_exact = False
+        else:
+            self.exact += (exact * weight).sum(-1).tolist()
+
+    def estimate(self) -> KLEstimate:
+        tokens = int(sum(self.counts))
+        mean = lambda sums: sum(sums) / tokens if tokens else math.nan  # noqa: E731
+        exact = mean(self.exact) if self.has_exact else math.nan
+        return KLEstimate(mean(self.k1), mean(self.k2), mean(self.k3), exact, self._se(self.k1), self._se(self.k3),
+                          tokens, sum(1 for n in self.counts if n))
+
+    def _se(self, sums: list[float]) -> float:
+        """Standard error of the ratio ``Σ sums / Σ counts`` over sequences (linearised)."""
+        pairs = [(s, n) for s, n in zip(sums, self.counts) if n]
+        m = len(pairs)
+        if m < 2:
+            return math.nan
+        total = sum(n for _, n in pairs)
+        ratio = sum(s for s, _ in pairs) / total
+        spread = sum((s - ratio * n) ** 2 for s, n in pairs)
+        return math.sqrt(spread * m / (m - 1)) / total
+
+
+# --- parameters ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParameterChange:
+    """How many scalar parameters moved beyond ``|a − b| > atol + rtol·|a|``, of ``total``."""
+
+    changed: int
+    total: int
+    fraction: float
+    atol: float
+    rtol: float
+
+    def to_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+@torch.no_grad()
+def parameter_change(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor], *,
+                     atol: float = 0.0, rtol: float = 0.0) -> ParameterChange:
+    """The share of parameters that changed beyond the tolerance between two state dicts.
+
+    Floating-point tensors only (buffers of integers are not parameters);
+    a tensor stored under two names (tied embeddings) counts once. Both dicts
+    must have the same names and shapes.
+    """
+    if atol < 0 or rtol < 0:
+        raise ValueError(f"atol and rtol must be >= 0, got atol={atol}, rtol={rtol}")
+    if set(before) != set(after):
+        missing = sorted(set(before) ^ set(after))
+        raise ValueError(f"the state dicts differ in their names: {', '.join(missing[:5])}")
+    changed = total = 0
+    seen: set[int] = set()
+    for name, old in before.items():
+        new = after[name]
+        if old.shape != new.shape:
+            raise ValueError(f"{name}: shape {tuple(old.shape)} before, {tuple(new.shape)} after")
+        if not torch.is_floating_point(old) or new.data_ptr() in seen:
+            continue
+        seen.add(new.data_ptr())
+        old64, new64 = old.detach().double().cpu(), new.detach().double().cpu()
+        changed += int(((new64 - old64).abs() > atol + rtol * old64.abs()).sum())
+        total += old.numel()
+    return ParameterChange(changed, total, changed / total if total else math.nan, atol, rtol)
+
+
+# --- correct-set turnover -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Turnover:
+    """Tasks solved before and failed after (``lost``), the reverse (``gained``), out of ``tasks`` in both."""
+
+    lost: int
+    gained: int
+    kept: int
+    never: int
+    tasks: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def task_successes(records: Iterable[Mapping[str, Any]]) -> dict[tuple[str, int, str], float]:
+    """Per task ``(env, id, split)``: the success rate of its samples in trajectory records."""
+    counts: dict[tuple[str, int, str], list[int]] = {}
+    for record in records:
+        task = record.get("task") or {}
+        key = (str(task.get("env")), int(task.get("id", -1)), str(task.get("split")))
+        counts.setdefault(key, [0, 0])
+        counts[key][0] += bool(record.get("success"))
+        counts[key][1] += 1
+    return {key: wins / n for key, (wins, n) in counts.items()}
+
+
+def turnover(before: Mapping[Any, float], after: Mapping[Any, float], *, threshold: float = 0.5) -> Turnover:
+    """Correct-set turnover between two rows from per-task success rates.
+
+    A task counts as solved at a row when its success rate is at least
+    ``threshold`` (default: half its samples); only tasks present in both
+    rows count.
+    """
+    common = [key for key in before if key in after]
+    solved_before = {key for key in common if before[key] >= threshold}
+    solved_after = {key for key in common if after[key] >= threshold}
+    lost, gained = len(solved_before - solved_after), len(solved_after - solved_before)
+    kept = len(solved_before & solved_after)
+    return Turnover(lost, gained, kept, len(common) - lost - gained - kept, len(common))
+
+
+def drift_row(kl: Mapping[str, KLEstimate] | None = None, params: ParameterChange | None = None) -> dict[str, Any]:
+    """The ``"drift"`` entry of a results row (see the module docstring for its shape)."""
+    out: dict[str, Any] = {}
+    if kl is not None:
+        out["kl"] = {name: estimate.to_dict() for name, estimate in kl.items()}
+    if params is not None:
+        out["params"] = params.to_dict()
+    return out
