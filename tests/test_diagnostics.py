@@ -179,3 +179,53 @@ def test_count_tags_lists_every_tag():
 def test_malformed_records_do_not_raise():
     assert tags({"task": {"env": "babyai"}, "messages": []}) == []
     assert tags({"task": {"env": "webshop"}, "turns": 1, "messages": [{"role": "assistant", "content": "x"}]}) == []
+
+
+# --- the rules against the real environments' own validity ---------------------------------
+
+GARBAGE = ["Thought: hmm\nAction: fly to the moon", "I do not know.", "Action: go to purple unicorn 9",
+           "Action:\nclick[Nonexistent Thing]", "<answer> </answer>", "Action: get 3 unobtainium"]
+
+
+def _play(env, task, rng, mode, limit=10):
+    """One episode recorded as the rollout records it, with the environment's Step.valid per turn."""
+    messages = env.prompt_messages() + [{"role": "user", "content": env.reset(task)}]
+    truth, last = [], None
+    while True:
+        r = rng.random()
+        if mode == "expert" or (mode == "mix" and r < 0.4):
+            text = env.expert()
+        elif mode == "random" or r < 0.75:
+            text = env.random_action(rng)
+        else:
+            text = last if r < 0.85 and last else rng.choice(GARBAGE)
+        last = text
+        messages.append({"role": "assistant", "content": text})
+        step = env.step(text)
+        truth.append(step.valid)
+        if step.done or len(truth) >= limit:
+            break
+        messages.append({"role": "user", "content": step.observation})
+    record = {"task": task.to_dict(), "turns": len(truth), "invalid_actions": truth.count(False),
+              "success": step.success, "reward": step.reward, "truncated": False, "error": None, "messages": messages}
+    return record, truth
+
+
+@pytest.mark.parametrize("name", ["babyai", "textcraft", "webshop", "searchqa"])
+def test_validity_rules_agree_with_the_environments(name):
+    import random
+
+    from contrail import envs
+
+    env = envs.make(name)
+    rng = random.Random(0)
+    try:
+        for mode in ("mix", "expert"):
+            for task in env.tasks("test")[:8]:
+                record, truth = _play(env, task, rng, mode)
+                assert turn_validity(record) == truth, (mode, task)
+                if mode == "expert":  # the expert neither fabricates nor repeats invalid actions
+                    assert not {"fabrication", "invalid_streak", "answer_without_search", "unsupported_answer",
+                                "buy_without_options"} & set(tags(record, turn_limit=10)), (task, tags(record))
+    finally:
+        env.close()
