@@ -375,7 +375,7 @@ def _buy_without_options(record, turns, observations) -> bool:
 
 
 def _singular(text: str) -> str:
-    return text[:-1] if text.endswith("s") else text
+    return text.removesuffix("s")
 
 
 def _textcraft_items(action: str) -> list[str]:

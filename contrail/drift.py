@@ -170,7 +170,7 @@ class _Totals:
 
     def estimate(self) -> KLEstimate:
         tokens = int(sum(self.counts))
-        mean = lambda sums: sum(sums) / tokens if tokens else math.nan  # noqa: E731
+        mean = lambda sums: sum(sums) / tokens if tokens else math.nan
         exact = mean(self.exact) if self.has_exact else math.nan
         return KLEstimate(mean(self.k1), mean(self.k2), mean(self.k3), exact, self._se(self.k1), self._se(self.k3),
                           tokens, sum(1 for n in self.counts if n))

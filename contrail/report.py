@@ -344,8 +344,9 @@ def _markdown(analysis: Analysis) -> str:
     lines += _failures_section(analysis)
     lines += _turnover_section(analysis)
     lines += _drift_section(data)
-    lines += ["## Files", "", "`matrix.csv` (every measure, with se and 95% interval columns), `metrics.csv`, "
-              "`heatmap.png` (avg@k), `success_by_stage.png`, `trajectories/stage-XX.jsonl` (every episode).", ""]
+    files = ("`matrix.csv` (every measure, with se and 95% interval columns), `metrics.csv`, `heatmap.png` "
+             "(avg@k), `success_by_stage.png`, `trajectories/stage-XX.jsonl` (every episode).")
+    lines += ["## Files", "", files, ""]
     return "\n".join(lines)
 
 
@@ -389,8 +390,8 @@ def _metrics_section(analysis: Analysis) -> list[str]:
     if view is None:
         return lines + ["No stage recorded yet.", ""]
     if data.completed < data.planned_stages:
-        lines += [f"Partial run: over stages 0..{data.completed}, the experiences trained so far "
-                  "and the held-out ones.", ""]
+        lines += [f"Partial run: over stages 0..{data.completed}, the experiences trained so far and the held-out ones.",
+                  ""]
     summary = metrics.summarize(*view)
     intervals = analysis.metric_intervals or {}
     lines += ["| metric | value | se | 95% interval | definition |", "|---|---|---|---|---|"]
@@ -399,8 +400,9 @@ def _metrics_section(analysis: Analysis) -> list[str]:
         se = _fmt(interval.se) if interval else "–"
         ci = f"[{_fmt(interval.low)}, {_fmt(interval.high)}]" if interval and not math.isnan(interval.low) else "–"
         lines.append(f"| {title} | {_fmt(summary[key])} | {se} | {ci} | {definition} |")
-    lines += ["", "R[s, j]: avg@k of experience j after stage s (row 0: before training); s_j: the stage where j is "
-              "first trained; S: the last stage; '–': undefined (an empty set) or no interval.", ""]
+    legend = ("R[s, j]: avg@k of experience j after stage s (row 0: before training); s_j: the stage where j is "
+              "first trained; S: the last stage; '–': undefined (an empty set) or no interval.")
+    lines += ["", legend, ""]
     lines += _deltas_by_row(analysis, *view)
     R, trained_at = view
     names = [data.test[j] for j in data.metric_columns()]
@@ -428,8 +430,8 @@ def _deltas_by_row(analysis: Analysis, R: np.ndarray, trained_at: list[int | Non
             mark = "*" if interval is not None and interval.significant else ""
             cells.append(_fmt_interval(interval, values[key][i]) + mark)
         lines.append(f"| {i} {_stage_name(data, i)} | " + " | ".join(cells) + " |")
-    return lines + ["", "Held-in after stage s: the experiences trained by then (s_j ≤ s); `*`: the 95% paired "
-                    "interval excludes 0.", ""]
+    legend = "Held-in after stage s: the experiences trained by then (s_j ≤ s); `*`: the 95% paired interval excludes 0."
+    return lines + ["", legend, ""]
 
 
 def _failures_section(analysis: Analysis) -> list[str]:
@@ -476,8 +478,8 @@ def _turnover_section(analysis: Analysis) -> list[str]:
     if table is None or len(table) < 2:
         return []
     lines = ["## Correct-set turnover", "",
-             "Test tasks solved (at least half of their samples succeed) after the previous stage and failed after "
-             "this one (lost), and the reverse (gained).", "",
+             ("Test tasks solved (at least half of their samples succeed) after the previous stage and failed after "
+              "this one (lost), and the reverse (gained)."), "",
              "| after stage | " + " | ".join(f"{n} lost / gained" for n in data.test) + " |",
              "|---" * (len(data.test) + 1) + "|"]
     for i in range(1, len(table)):
@@ -491,8 +493,8 @@ def _drift_section(data: RunData) -> list[str]:
     if not rows:
         return []
     lines = ["## Forgetting beyond success", "",
-             "KL(start model ‖ policy) per token on tokens the start model sampled on each experience's own prompts "
-             "(k3 estimator ± its standard error), and the share of parameters changed since the previous stage.", "",
+             ("KL(start model ‖ policy) per token on tokens the start model sampled on each experience's own prompts "
+              "(k3 estimator ± its standard error), and the share of parameters changed since the previous stage."), "",
              "| after stage | " + " | ".join(f"KL {n}" for n in data.test) + " | parameters changed |",
              "|---" * (len(data.test) + 2) + "|"]
     for i, entry in rows:

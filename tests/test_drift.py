@@ -6,7 +6,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from contrail.drift import drift_row, kl_from_logprobs, parameter_change, policy_kl, task_successes, turnover
+from contrail.drift import (
+    drift_row,
+    kl_from_logprobs,
+    parameter_change,
+    policy_kl,
+    task_successes,
+    turnover,
+)
 from contrail.testing import tiny_model, tiny_tokenizer
 
 

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from contrail import metrics
-from contrail.intervals import Interval, PairedBootstrap, TaskTable, group_by_experience, seed_interval
+from contrail.intervals import (
+    Interval,
+    PairedBootstrap,
+    TaskTable,
+    group_by_experience,
+    seed_interval,
+)
 
 
 def rec(task_id, success, env="a", difficulty="easy", reward=None, turns=1, invalid=0, **extra):

@@ -151,8 +151,7 @@ def make_run_with_trajectories(path, seed=0):
                  "textcraft:easy": [episode("textcraft", t, t % 2 == 0, s) for t in range(4) for s in range(2)]}
         with open(run.trajectories_path(stage), "w") as f:
             for name in test:
-                for traj in trajs[name]:
-                    f.write(json.dumps(traj.to_record()) + "\n")
+                f.writelines(json.dumps(traj.to_record()) + "\n" for traj in trajs[name])
         run.append_row({"stage": stage, "name": "untouched" if stage == 0 else "babyai:easy",
                         "trained": [] if stage == 0 else ["babyai:easy"],
                         "results": {n: summarize(trajs[n], 2).to_dict() for n in test}, "train": {},
