@@ -237,7 +237,8 @@ def _matches_rows(boot: PairedBootstrap, data: RunData) -> bool:
 
 
 def failure_counts(data: RunData, records: list[list[dict[str, Any]]] | None = None) -> Failures:
-    """Failure tags (`contrail.diagnostics`) counted per cell, with up to 3 example episodes per tag.
+    """Failure tags (`contrail.diagnostics`) counted per cell, with up to 3 example episodes per tag
+    (one per cell, the latest rows first).
 
     A turn limit in ``plan.json``'s ``turn_limits`` (per test experience)
     overrides the environments' defaults for ``out_of_turns``.
@@ -246,7 +247,7 @@ def failure_counts(data: RunData, records: list[list[dict[str, Any]]] | None = N
     limits = (data.plan or {}).get("turn_limits") or {}
     counts = [[dict.fromkeys(diagnostics.TAGS, 0) for _ in data.test] for _ in records or []]
     episodes = [[0 for _ in data.test] for _ in records or []]
-    examples: dict[str, list[tuple[int, int, dict[str, Any]]]] = {tag: [] for tag in diagnostics.TAGS}
+    first: dict[str, dict[tuple[int, int], tuple[int, int, dict[str, Any]]]] = {tag: {} for tag in diagnostics.TAGS}
     for row, row_records in enumerate(records or []):
         line_of = {id(r): line for line, r in enumerate(row_records, start=1)}
         grouped = group_by_experience(row_records, data.test)
@@ -255,8 +256,10 @@ def failure_counts(data: RunData, records: list[list[dict[str, Any]]] | None = N
                 episodes[row][column] += 1
                 for tag in diagnostics.tags(record, turn_limit=limits.get(name)):
                     counts[row][column][tag] += 1
-                    if len(examples[tag]) < _EXAMPLES:
-                        examples[tag].append((row, line_of[id(record)], record))
+                    first[tag].setdefault((row, column), (row, line_of[id(record)], record))
+    # One example per cell, the latest rows first: the final model's failures matter most.
+    examples = {tag: [cells[key] for key in sorted(cells, key=lambda rc: (-rc[0], rc[1]))[:_EXAMPLES]]
+                for tag, cells in first.items()}
     return Failures(counts, episodes, examples)
 
 

@@ -173,7 +173,7 @@ def test_report_with_intervals_failures_and_turnover(tmp_path):
     assert "| 1 babyai:easy | 1.000 ± 0.000* | 0.000 ± 0.000 | 0.500 ± 0.000* |" in md
     # the invalid-action streaks of row 0, counted per cell and linked
     assert "| 0 untouched | babyai:easy | 8 | 8 |" in md and "| 1 babyai:easy | babyai:easy | 8 | 0 |" in md
-    assert "[row 0, line 1](trajectories/stage-00.jsonl) (babyai task 0, sample 0)" in md
+    assert "| invalid_streak | >= 3 invalid actions in a row | [row 0, line 1](trajectories/stage-00.jsonl) (babyai task 0, sample 0) |" in md
     assert "| 1 babyai:easy | 0 / 4 of 4 | 0 / 0 of 4 |" in md  # turnover: babyai gains 4 tasks
     with open(paths[1]) as f:
         rows = list(csv.reader(f))
