@@ -179,7 +179,8 @@ class Failures:
 
     counts: list[list[dict[str, int]]]           # [row][column] -> tag -> episodes
     episodes: list[list[int]]                    # [row][column] -> episodes read
-    examples: dict[str, list[tuple[int, int, dict[str, Any]]]] = field(default_factory=dict)  # tag -> (row, line, record)
+    # tag -> [(row, line in the row's trajectories file, record)]
+    examples: dict[str, list[tuple[int, int, dict[str, Any]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -326,7 +327,8 @@ def _markdown(analysis: Analysis) -> str:
     if warm:
         lines.append(
             f"- warm-start: behaviour cloning on expert episodes of {', '.join(warm.get('envs', []))} "
-            f"({warm.get('episodes', '?')} episodes in all, {warm.get('epochs', '?')} epochs, lr {warm.get('lr', '?')}) "
+            f"({warm.get('episodes', '?')} episodes in all, {warm.get('epochs', '?')} epochs, "
+            f"lr {warm.get('lr', '?')}) "
             "before stage 1; row 0 is the warm-started model"
         )
     status = "finished" if RunDir(data.path).finished() else "in progress or interrupted"
@@ -393,8 +395,8 @@ def _metrics_section(analysis: Analysis) -> list[str]:
     if view is None:
         return lines + ["No stage recorded yet.", ""]
     if data.completed < data.planned_stages:
-        lines += [f"Partial run: over stages 0..{data.completed}, the experiences trained so far and the held-out ones.",
-                  ""]
+        partial = f"Partial run: over stages 0..{data.completed}, the experiences trained so far and the held-out ones."
+        lines += [partial, ""]
     summary = metrics.summarize(*view)
     intervals = analysis.metric_intervals or {}
     lines += ["| metric | value | se | 95% interval | definition |", "|---|---|---|---|---|"]
@@ -433,7 +435,8 @@ def _deltas_by_row(analysis: Analysis, R: np.ndarray, trained_at: list[int | Non
             mark = "*" if interval is not None and interval.significant else ""
             cells.append(_fmt_interval(interval, values[key][i]) + mark)
         lines.append(f"| {i} {_stage_name(data, i)} | " + " | ".join(cells) + " |")
-    legend = "Held-in after stage s: the experiences trained by then (s_j ≤ s); `*`: the 95% paired interval excludes 0."
+    legend = ("Held-in after stage s: the experiences trained by then (s_j ≤ s); "
+              "`*`: the 95% paired interval excludes 0.")
     return lines + ["", legend, ""]
 
 

@@ -34,7 +34,8 @@ def act(action, thought="I think so."):
     return f"Thought:\n{thought}\n\nAction:\n{action}"
 
 
-BABY_MENU = 'Available actions: ["turn left", "turn right", "move forward", "go to red ball 1", "check available actions"]'
+BABY_MENU = ('Available actions: ["turn left", "turn right", "move forward", "go to red ball 1", '
+             '"check available actions"]')
 BABY_OBS = f"There is a red ball 1 2 steps in front of you. You are not carrying anything.\n{BABY_MENU}"
 BABY_ERROR = f"The action is not recognized. Please check valid actions.\n{BABY_MENU}"
 
@@ -91,7 +92,8 @@ def test_loop_needs_the_same_action_and_an_unchanged_observation():
 
 
 def test_searchqa_answers_without_search_and_unsupported():
-    guess = convo("searchqa", "Question: Who founded Vell?", [("<think>I know</think><answer> Ada Moro </answer>", None)])
+    guess = convo("searchqa", "Question: Who founded Vell?",
+                  [("<think>I know</think><answer> Ada Moro </answer>", None)])
     assert tags(guess) == ["answer_without_search"]
     info = "<information>Doc 1(Title: Vell) Vell was founded by Ada Moro in 1820.\n</information>"
     supported = convo("searchqa", "Question: Who founded Vell?",
@@ -102,10 +104,13 @@ def test_searchqa_answers_without_search_and_unsupported():
     assert tags(unsupported) == ["unsupported_answer"]
 
 
-SEARCH = "WebShop [SEP] Instruction: [SEP] i need a blue mug with handle, and size: large, and price lower than 30.00 dollars [SEP] Search"
-HEAD = "Instruction: [SEP] i need a blue mug with handle, and size: large, and price lower than 30.00 dollars [SEP] Back to Search"
-RESULTS = f"{HEAD} [SEP] Page 1 (Total results: 2) [SEP] B01 [SEP] Blue mug [SEP] $12.00 [SEP] B02 [SEP] Red mug [SEP] $9.00"
-ITEM = f"{HEAD} [SEP] < Prev [SEP] size [SEP] small [SEP] large [SEP] Blue mug [SEP] Price: $12.00 [SEP] Rating: N.A. [SEP] Description [SEP] Features [SEP] Reviews [SEP] Buy Now"
+GOAL = "i need a blue mug with handle, and size: large, and price lower than 30.00 dollars"
+SEARCH = f"WebShop [SEP] Instruction: [SEP] {GOAL} [SEP] Search"
+HEAD = f"Instruction: [SEP] {GOAL} [SEP] Back to Search"
+RESULTS = (f"{HEAD} [SEP] Page 1 (Total results: 2) [SEP] B01 [SEP] Blue mug [SEP] $12.00 "
+           "[SEP] B02 [SEP] Red mug [SEP] $9.00")
+ITEM = (f"{HEAD} [SEP] < Prev [SEP] size [SEP] small [SEP] large [SEP] Blue mug [SEP] Price: $12.00 [SEP] "
+        "Rating: N.A. [SEP] Description [SEP] Features [SEP] Reviews [SEP] Buy Now")
 
 
 def test_webshop_buy_without_the_goals_options():
@@ -138,7 +143,8 @@ def test_fabrication_per_environment():
     assert "fabrication" not in tags(seen)
     recipes = "Crafting commands:\ncraft 4 oak planks using 1 oak logs\n\nGoal: craft oak planks."
     # the instruction's example item (lapis lazuli) is no observation
-    assert "fabrication" in tags(convo("textcraft", recipes, [(act("get 1 lapis lazuli"), "Could not find lapis lazuli")]))
+    example = convo("textcraft", recipes, [(act("get 1 lapis lazuli"), "Could not find lapis lazuli")])
+    assert "fabrication" in tags(example)
     fine = convo("textcraft", recipes, [(act("get 1 oak log"), "Got 1 oak log"),
                                         (act("craft 4 oak planks using 1 oak logs"), None)], success=True)
     assert "fabrication" not in tags(fine)
