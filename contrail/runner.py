@@ -36,7 +36,7 @@ from contrail.evaluation import EvalResult, Evaluator, select_tasks
 from contrail.metrics import summarize
 from contrail.models import load_model
 from contrail.progress import console
-from contrail.results import RunDir, result_matrix
+from contrail.results import RunDir, RunExistsError, result_matrix
 from contrail.seeds import derive_seed
 from contrail.strategies import Stage, stage_sampler
 from contrail.stream import Stream, env_factory
@@ -118,13 +118,11 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
 
     start_model = _start_model(experiment, show_progress)
     model, tokenizer = _load(experiment, run_dir, done, start_model)
-    if saved_plan is None:
-        plan = _make_plan(experiment, stream, strategy, model, tokenizer, start_model, show_progress)
-        if processes.is_main_process:
-            _write_json(run_dir.path / PLAN, plan)
-    else:
-        plan = saved_plan  # resuming replays the recorded plan (and its measured base success)
-    stages = [Stage.from_dict(d) for d in plan["stages"]]
+    if saved_plan is None and processes.is_main_process:  # one process measures; every process reads plan.json
+        _write_json(run_dir.path / PLAN,
+                    _make_plan(experiment, stream, strategy, model, tokenizer, start_model, show_progress))
+    processes.wait_for_everyone()
+    stages = _replay_plan(run_dir, experiment, stream, strategy)
 
     trainer = _make_trainer(experiment, stream, model, tokenizer, run_dir, show_progress)
     if done >= 1:
@@ -184,7 +182,7 @@ def _make_plan(experiment: Experiment, stream: Stream, strategy: Strategy, model
     base_success = None
     if strategy.needs_base_success:
         base_success = measure_base_success(model, tokenizer, stream, experiment, show_progress=show_progress)
-    stages = strategy.plan(stream, seed=experiment.seed, base_success=base_success)
+    stages = _plan_stages(strategy, stream, experiment, base_success)
     warm = experiment.model.warmstart
     return {
         "test": [e.name for e in stream.test],
@@ -196,6 +194,30 @@ def _make_plan(experiment: Experiment, stream: Stream, strategy: Strategy, model
         "label": _label(experiment),
         "seed": experiment.seed,
     }
+
+
+def _plan_stages(strategy: Strategy, stream: Stream, experiment: Experiment,
+                 base_success: dict[str, float] | None) -> list[Stage]:
+    # Strategies that keep what plan() saw (EWC: the stages' tasks) get their plan() call in every process.
+    return strategy.plan(stream, seed=experiment.seed, base_success=base_success)
+
+
+def _replay_plan(run_dir: RunDir, experiment: Experiment, stream: Stream, strategy: Strategy) -> list[Stage]:
+    """The stages of ``plan.json``, which the strategy (given the recorded base success) must plan again.
+
+    Training follows the recorded plan, also after a resume; a strategy that
+    now plans differently (changed code) would silently train another run,
+    so that is refused.
+    """
+    plan = _read_plan(run_dir)
+    recorded = [Stage.from_dict(d) for d in plan["stages"]]
+    stages = _plan_stages(strategy, stream, experiment, plan.get("base_success"))
+    if stages != recorded:
+        raise RunExistsError(
+            f"cannot continue {run_dir.path}: strategy {experiment.strategy.name!r} now plans other stages "
+            f"than {run_dir.path / PLAN} records; use --force to start over"
+        )
+    return recorded
 
 
 def _label(experiment: Experiment) -> str:

@@ -6,12 +6,23 @@ import json
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from contrail import envs
 from contrail.agent.rollout import RolloutConfig
 from contrail.evaluation import Evaluator, preserved_rng, summarize
-from contrail.testing import BerryWordEnv, tiny_model, tiny_tokenizer
+from contrail.testing import BerryWordEnv, MagicWordEnv, tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run faster on one thread than on a shared machine's contended cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 ROLLOUT = RolloutConfig(max_new_tokens=3, max_episode_tokens=256)
 
@@ -62,11 +73,20 @@ def test_environment_errors_are_counted_per_experience_and_the_evaluation_goes_o
     assert [json.loads(line) for line in path.read_text().splitlines()] == records
 
 
+class DrawsFromGlobalRNGs(MagicWordEnv):
+    """An environment that shuffles with the process-wide generators, as many engines do."""
+
+    def on_reset(self, task):
+        random.random(), np.random.rand(), torch.rand(1)
+        return super().on_reset(task)
+
+
 def test_evaluation_leaves_the_global_random_state_alone():
+    """Otherwise evaluating between stages would move training's random streams (and break exact resume)."""
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)
     tasks = {"magic:easy": envs.make("magic").tasks("test", "easy")[:2]}
-    evaluator = Evaluator(tasks, lambda task: envs.make(task.env), ROLLOUT, k=2, seed=0, show_progress=False)
+    evaluator = Evaluator(tasks, lambda task: DrawsFromGlobalRNGs(), ROLLOUT, k=2, seed=0, show_progress=False)
     random.seed(1), np.random.seed(1), torch.manual_seed(1)
     evaluator(model, tokenizer)
     after = (random.random(), np.random.rand(), torch.rand(1).item())

@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,30 @@ class Killed(BaseException):
     """Stands for SIGKILL: not an Exception, so nothing on the way up handles it."""
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fast(tmp_path_factory):
+    """One torch thread (tiny models run faster on a shared machine) and a quick report writer.
+
+    The report itself is tested elsewhere; here only whether the runner (re)writes it matters, and the
+    real one (heatmaps) would take most of each case's time.
+    """
+    import contrail.report
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    real = contrail.report.write_report
+
+    def quick_report(run_dir):
+        path = Path(run_dir) / "report.md"
+        path.write_text(f"{len(RunDir(run_dir).rows())} rows\n")
+        return [path]
+
+    contrail.report.write_report = quick_report
+    yield
+    contrail.report.write_report = real
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory):
     tokenizer = tiny_tokenizer()
@@ -54,7 +79,7 @@ def experiment(base_model, out) -> Experiment:
         strategy=StrategySpec(name="sequential"),
         model=ModelSpec(name=base_model, dtype="float32", device="cpu"),
         rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
-        grpo=GRPOConfig(lr=3e-2, group_size=4, tasks_per_step=2),
+        grpo=GRPOConfig(lr=3e-2, group_size=8, tasks_per_step=2),
         eval=EvalSpec(k=2),
         seed=0,
         out=str(out),
@@ -91,7 +116,7 @@ def snapshot(out) -> dict:
         "checkpoints": sorted(p.name for p in (out / "checkpoints").iterdir()),
         "trainer_states": sorted(p.parent.name for p in (out / "checkpoints").glob("*/trainer_state.pt")),
         "finished": (out / "FINISHED").is_file(),
-        "report": (out / "report.md").is_file(),
+        "report": (out / "report.md").read_text() if (out / "report.md").is_file() else None,
     }
 
 

@@ -7,8 +7,8 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 
-from contrail import strategies
 from contrail.agent.rollout import RolloutConfig
 from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec
 from contrail.grpo.config import GRPOConfig
@@ -18,6 +18,16 @@ from contrail.runner import RunResult, run
 from contrail.seeds import derive_seed
 from contrail.strategies import Sequential, Stage
 from contrail.testing import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run faster on one thread than on a shared machine's contended cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 TRAIN = ["magic:easy", "magic-berry:easy"]
 HELD_OUT = "magic:hard"  # never trained: held out
@@ -182,22 +192,21 @@ def test_base_success_is_seeded_by_name(base_model, tmp_path):
     assert derive_seed(exp.seed, "base-success") != derive_seed(exp.seed, "eval")
 
 
-def test_runner_calls_both_hooks_with_the_stage_and_the_trainer(base_model, tmp_path, monkeypatch):
-    calls = []
+class RecordingHooks(Sequential):
+    """Sequential, recording every hook call (named in the experiment as ``test_runner:RecordingHooks``)."""
 
-    @strategies.register("recording-hooks")
-    class Recording(Sequential):
-        def before_stage(self, stage, trainer):
-            calls.append(("before", stage, trainer, trainer.step_count))
+    calls: list = []
 
-        def after_stage(self, stage, trainer):
-            calls.append(("after", stage, trainer, trainer.step_count))
+    def before_stage(self, stage, trainer):
+        RecordingHooks.calls.append(("before", stage, trainer, trainer.step_count))
 
-    try:
-        exp = experiment(base_model, tmp_path / "run", strategy="recording-hooks")
-        run(exp, show_progress=False)
-    finally:
-        strategies.unregister("recording-hooks")
+    def after_stage(self, stage, trainer):
+        RecordingHooks.calls.append(("after", stage, trainer, trainer.step_count))
+
+
+def test_runner_calls_both_hooks_with_the_stage_and_the_trainer(base_model, tmp_path):
+    RecordingHooks.calls = calls = []
+    run(experiment(base_model, tmp_path / "run", strategy=f"{__name__}:RecordingHooks"), show_progress=False)
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     stages = [Stage.from_dict(s) for s in plan["stages"]]
     assert [(c[0], c[1]) for c in calls] == [("before", stages[0]), ("after", stages[0]),

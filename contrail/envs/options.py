@@ -29,7 +29,7 @@ def declared_options(factory: Callable[..., Any]) -> dict[str, Any]:
     target = factory.__init__ if isinstance(factory, type) else factory
     try:
         hints = typing.get_type_hints(target)
-    except Exception:  # an annotation that does not evaluate: fall back to "anything"
+    except (NameError, TypeError, AttributeError):  # an annotation that does not evaluate: "anything"
         hints = {}
     found: dict[str, Any] = {}
     for index, (name, parameter) in enumerate(inspect.signature(target).parameters.items()):

@@ -35,6 +35,16 @@ if TYPE_CHECKING:
 EXPERT_MAX_NEW_TOKENS = 512
 
 
+def expert_rollout_config(spec: WarmStart) -> RolloutConfig:
+    """The rollout limits of demonstrations: ``spec.max_episode_tokens`` per episode, a generous turn.
+
+    The rollout stops an episode whose next turn might overflow the episode,
+    so the turn's bound is kept to a quarter of it.
+    """
+    turn = max(1, min(EXPERT_MAX_NEW_TOKENS, spec.max_episode_tokens // 4))
+    return RolloutConfig(max_new_tokens=turn, max_episode_tokens=spec.max_episode_tokens)
+
+
 def plan_tasks(experiences: list[Experience], episodes: int, seed: int) -> list[Task]:
     """``episodes`` training tasks split evenly over experiences, drawn without repeats while possible."""
     rng = random.Random(seed)
@@ -57,7 +67,7 @@ def expert_trajectories(spec: WarmStart, chat: ChatFormat, *, seed: int = 0,
 
     experiences = [Experience.from_spec(s) for s in spec.envs]
     tasks = plan_tasks(experiences, spec.episodes, seed)
-    config = RolloutConfig(max_new_tokens=EXPERT_MAX_NEW_TOKENS, max_episode_tokens=spec.max_episode_tokens)
+    config = expert_rollout_config(spec)
     with EpisodeProgress(len(tasks), "expert demonstrations", enabled=show_progress) as progress:
         return rollout(ExpertBackend(chat), chat, tasks, env_factory(experiences), config,
                        on_episode=lambda t: progress.episode_done(t.success))
@@ -67,7 +77,7 @@ def _cache_key(spec: WarmStart, seed: int, tokenizer) -> str:
     # Only what shapes the demonstrations: the training settings (lr, epochs, ...) do not.
     identity = {
         "envs": list(spec.envs), "episodes": spec.episodes, "max_episode_tokens": spec.max_episode_tokens,
-        "max_new_tokens": EXPERT_MAX_NEW_TOKENS, "seed": seed, "version": __version__,
+        "max_new_tokens": expert_rollout_config(spec).max_new_tokens, "seed": seed, "version": __version__,
         "tokenizer": getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer),
         "template": tokenizer.chat_template,
     }

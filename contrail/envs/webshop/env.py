@@ -99,7 +99,7 @@ def split_bracketed(line: str) -> tuple[str, str] | None:
     brackets. ``line`` is one line (no ``\n``).
     """
     close = line.rfind("]")
-    if close < 0:
+    if close < 2:  # "x[" and one character must come before it
         return None
     open_ = line.rfind("[", 1, close - 1)  # group 1 and group 2 are both non-empty
     if open_ < 0:
