@@ -43,16 +43,28 @@ def _positive(value: str) -> int:
     return number
 
 
+def _seed(value: str) -> int:
+    """A root seed: an integer in [0, 2**63 - 1] (what `contrail.seeds` derives every other seed from)."""
+    from contrail.seeds import check_seed
+
+    try:
+        return check_seed(int(value), "seed")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
+    """``--model``, ``--device``, ``--dtype`` and ``--seed``."""
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=default_model,
                        help="HF id, local path, checkpoint dir, or the alias smollm2-135m (default)")
-    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    group.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps")
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=_seed, default=0)
 
 
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `RolloutConfig` options and ``--batch-episodes``."""
     group = parser.add_argument_group("rollouts")
     group.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens per turn")
     group.add_argument("--max-episode-tokens", type=_positive, default=4096)
@@ -85,13 +97,14 @@ def output_dir(value: str | None, default: Path) -> Path:
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
+    """A table of every registered environment: difficulties, task counts, turn limits."""
     table = Table(title="contrail environments")
     for column in ("environment", "difficulty", "train tasks", "test tasks", "turn limit"):
         table.add_column(column)
     for name in envs.names():
         try:
             env = envs.make(name)
-        except Exception as error:  # an optional extra not installed: say so, keep listing
+        except ImportError as error:  # an optional extra not installed: say so, keep listing
             table.add_row(name, "-", "-", "-", f"[red]unavailable: {error}")
             continue
         for difficulty in env.difficulties:
@@ -106,6 +119,7 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a model on ``--env`` tasks; ``results.json`` and ``trajectories.jsonl`` go to ``--out``."""
     from contrail.evaluation import evaluate
     from contrail.models import resolve_device
     from contrail.policy import Policy
@@ -134,6 +148,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def print_results(results, title: str) -> None:
+    """One row per experience: avg@k, pass@k, reward, turns, tokens, invalid rate, errors."""
     table = Table(title=title)
     for column in ("experience", "tasks", "avg@k", "pass@k", "reward", "turns", "gen tokens", "invalid", "errors"):
         table.add_column(column, justify="right" if column != "experience" else "left")
@@ -297,6 +312,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """Rewrite a run's report files from its directory."""
     from contrail.report import write_report
 
     for path in write_report(_run_dir(args.run_dir)):
@@ -305,6 +321,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """A table over runs, grouped by label (strategy with its options, and order), over seeds."""
     from contrail.report import compare
 
     console.print(compare([_run_dir(path) for path in args.runs]), markup=False)
@@ -312,10 +329,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _run_dir(path: str) -> Path:
-    """A run directory named on the command line; a missing one is a `UsageError`."""
-    if not Path(path).is_dir():
+    """A run directory named on the command line; a missing one, or one without results, is a `UsageError`."""
+    run = Path(path)
+    if not run.is_dir():
         raise UsageError(f"{path}: no such run directory")
-    return Path(path)
+    if not (run / "results.jsonl").is_file():
+        raise UsageError(f"{path}: not a contrail run with results (no results.jsonl)")
+    return run
 
 
 def add_training_arguments(parser: argparse.ArgumentParser, lr: float) -> None:
@@ -361,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_audit.add_argument("--split", default="test", choices=["train", "test"])
     p_audit.add_argument("--tasks", type=_positive, default=None, help="tasks per environment (default: all)")
     p_audit.add_argument("-k", type=_positive, default=4, help="random-action samples per task")
-    p_audit.add_argument("--seed", type=int, default=0)
+    p_audit.add_argument("--seed", type=_seed, default=0)
     p_audit.add_argument("--max-episode-tokens", type=_positive, default=32768)
     p_audit.add_argument("--tokenizer", default="smollm2-135m", help="whose tokenizer renders the episodes")
     p_audit.set_defaults(handler=cmd_audit)

@@ -57,7 +57,10 @@ def assert_one_line_error(code, err, expected):
     (["run", "experiments/quickstart.yaml", "stream.env_options={textcraft: {bogus_option: 1}}", "--dry-run"],
      "stream.env_options.textcraft.bogus_option: unknown option 'bogus_option' for textcraft; valid: "),
     (["run", "no/such/experiment.yaml", "--dry-run"], "no/such/experiment.yaml: no such experiment file"),
-    (["report", "/no/such/run"], "/no/such/run"),
+    (["report", "/no/such/run"], "/no/such/run: no such run directory"),
+    (["report", "{tmp}"], "not a contrail run with results (no results.jsonl)"),
+    (["compare", "{tmp}", "{tmp}"], "not a contrail run with results (no results.jsonl)"),
+    (["eval", "--env", "textcraft:easy", "--seed", "-1"], "argument --seed: seed must be an integer in [0, 2**63 - 1]"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(capsys, tmp_path, argv, expected):
     code, _, err = run_cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
