@@ -44,6 +44,7 @@ import io
 import itertools
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +114,7 @@ class WarmStart:
     def __post_init__(self) -> None:
         if not self.envs:
             raise ValueError("envs must name at least one environment spec (e.g. [babyai:easy])")
+        _specs(self, "envs")
         _choice(self, "precision", ("fp32", "bf16"))
         _at_least(self, 1, "episodes", "epochs", "max_episode_tokens", "batch_size")
         _finite_positive(self, "lr")
@@ -162,6 +164,7 @@ class StreamSpec:
     def __post_init__(self) -> None:
         if not self.train:
             raise ValueError("train must list at least one experience spec (e.g. [textcraft:easy])")
+        _specs(self, "train", "test")
         _at_least(self, 1, "steps_per_experience", "train_tasks", "test_tasks")
         check_seed(self.task_seed, "task_seed")
 
@@ -303,6 +306,14 @@ def _checked_orders(orders: Any) -> Any:
     return [list(order) for order in orders]
 
 
+def _specs(obj: Any, *names: str) -> None:
+    """Every item of the lists ``names`` is an experience spec string (``env`` or ``env:difficulty``)."""
+    for name in names:
+        for index, spec in enumerate(getattr(obj, name)):
+            if not isinstance(spec, str) or not spec:
+                raise ValueError(f"{name}[{index}] must be an experience spec such as textcraft:easy, got {spec!r}")
+
+
 def _at_least(obj: Any, low: int, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
@@ -396,7 +407,7 @@ def _from_tree(tree: Any, sources: _Sources, places: list[presets.PresetPlace],
         merged = OmegaConf.merge(OmegaConf.structured(Experiment), resolved)
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or ""
-        raise sources.error(key, _first_line(error)) from None
+        raise sources.error(key, _type_problem(key, resolved) or _first_line(error)) from None
     experiment = _instantiate(merged, Experiment, "", sources)
     _check(experiment, sources.of)
     return experiment
@@ -574,6 +585,64 @@ def _field_error(message: str, cls: type, prefix: str, sources: _Sources) -> Con
     if match.group(2) == ": ":
         return sources.error(key, message[match.end():])
     return sources.error(key, message)  # "max_episode_tokens (64) must exceed ...": keep it whole
+
+
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _type_problem(key: str, tree: Any) -> str | None:
+    """``expected an integer, got 'abc'`` for a value at ``key`` that does not fit its field's type.
+
+    Worded from the field's annotation and the value itself, instead of
+    omegaconf's message (which names its own node classes); None when the key
+    cannot be followed (then omegaconf's message is shown).
+    """
+    hint: Any = Experiment
+    value = tree
+    for name, index in _PATH_PART.findall(key):
+        part: Any = int(index) if index else name
+        hint = _hint_of_part(hint, part)
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+        if hint is None:
+            return None
+    literals = [a for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is Literal]
+    if literals:
+        choices = [str(c) for a in literals for c in typing.get_args(a)]
+        return f"invalid value {value!r}; valid: {', '.join(choices)}"
+    return f"expected {_describe(hint)}, got {_show(value)}"
+
+
+def _hint_of_part(hint: Any, part: str | int) -> Any:
+    """The annotation one step below ``hint``: a dataclass field, a list item, a mapping value."""
+    inner = _dataclass_of(hint)
+    if inner is not None and isinstance(part, str):
+        return typing.get_type_hints(inner).get(part)
+    container = hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: follow X
+        container = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    origin = typing.get_origin(container)
+    if origin is list and isinstance(part, int):
+        return typing.get_args(container)[0]
+    if origin is dict and isinstance(part, str):
+        return typing.get_args(container)[1]
+    return None
+
+
+def _describe(hint: Any) -> str:
+    """A person's words for an annotation: ``an integer or null``, ``a list of strings``."""
+    arms = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        text = " or ".join(_describe(a) for a in arms)
+        return f"{text} or null" if type(None) in typing.get_args(hint) else text
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return "a list"
+    if origin is dict or dataclasses.is_dataclass(hint):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
 def _show(value: Any) -> str:
