@@ -16,8 +16,9 @@ An experiment file is a mapping of these sections::
 ``stream`` and ``strategy`` accept a preset name, a mapping, or a mapping with
 ``preset: NAME`` plus fields that override the preset's (presets are found
 along a search path, see `contrail.presets`); ``strategy`` also accepts a
-registered strategy's name or ``"pkg.module:Class"``. ``model`` accepts a bare
-model name. Overrides are dotted ``key=value`` pairs whose values are YAML
+registered strategy's name (built in, or from the ``contrail.strategies``
+entry-point group) or ``"pkg.module:Class"``. ``model`` accepts a bare model
+name. Overrides are dotted ``key=value`` pairs whose values are YAML
 (``grpo.lr=1e-6``, ``strategy=replay``, ``stream.train=[babyai:easy,textcraft:easy]``).
 
 The file is read into plain containers, presets are expanded and overrides
@@ -29,7 +30,8 @@ options, the strategy and its options, the device). Every mistake raises
 `ConfigError` naming the file (or the override) and the key::
 
     exp.yaml: rollout.top_p: must be in (0, 1], got 1.5
-    override 'grpo.lr=nan': grpo.lr: must be a finite number > 0, got nan
+    override 'grpo.lr=nan': grpo.lr: must be a finite number, got nan
+    exp.yaml: stream.env_options.textcraft.bogus: unknown option 'bogus' for textcraft; valid: max_turns, ...
 
 >>> exp = load_experiment("experiments/quickstart.yaml", ["grpo.lr=1e-5"])
 >>> Experiment.from_yaml(exp.to_yaml()) == exp
