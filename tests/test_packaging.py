@@ -15,15 +15,21 @@ SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE", 
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> zipfile.ZipFile:
-    """A wheel built from a copy of the checkout (no build/ or egg-info left behind in the tree)."""
-    source = tmp_path_factory.mktemp("source")
+def source(tmp_path_factory) -> Path:
+    """A copy of the checkout's packaged files (builds leave no build/ or egg-info in the tree)."""
+    copy = tmp_path_factory.mktemp("source")
     for name in SOURCES:
         origin = ROOT / name
         if origin.is_dir():
-            shutil.copytree(origin, source / name, ignore=shutil.ignore_patterns("__pycache__", "_presets"))
+            shutil.copytree(origin, copy / name, ignore=shutil.ignore_patterns("__pycache__", "_presets"))
         else:
-            shutil.copy2(origin, source / name)
+            shutil.copy2(origin, copy / name)
+    return copy
+
+
+@pytest.fixture(scope="module")
+def wheel(source, tmp_path_factory) -> zipfile.ZipFile:
+    """The wheel pip builds from the copy."""
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
                     "-w", str(out), str(source)], check=True, capture_output=True, text=True, timeout=300)
@@ -64,3 +70,18 @@ def test_an_installed_wheel_finds_its_presets(wheel, tmp_path):
     root, names = done.stdout.split()
     assert Path(root) == tmp_path / "contrail" / "_presets"
     assert "paper5" in names.split(",")
+
+
+def test_an_editable_install_reads_the_checkout_s_presets(source, tmp_path):
+    """``pip install -e``: the package is the checkout, and the presets are its top-level folders."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
+                    "--no-build-isolation", "-e", str(source)], check=True, capture_output=True, timeout=300)
+    script = "from contrail import presets; print(presets.packaged_root()); print(presets.__file__)"
+    done = subprocess.run([str(python), "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    root, module = done.stdout.split()
+    assert Path(root) == source and Path(module) == source / "contrail" / "presets.py"
+    assert not (source / "contrail" / "_presets").exists()  # nothing copied into the checkout
