@@ -409,6 +409,7 @@ def _finish(run_dir: RunDir, processes: PartialState) -> RunResult:
     """
     if processes.is_main_process:
         if not run_dir.finished():
+            _drop_stale_checkpoints(run_dir, run_dir.completed_stages())  # a kill may have beaten the cleanup
             run_dir.mark_finished()
         _write_report(run_dir.path)
     processes.wait_for_everyone()

@@ -196,14 +196,27 @@ def after_finished(mp):
     kill_on_call(mp, contrail.report, "write_report", 1)
 
 
+def between_weights_and_optimizer_state(call):
+    from contrail.train.trainer import MaskedTokenTrainer
+
+    return lambda mp: kill_on_call(mp, MaskedTokenTrainer, "save_model", call, before=False)
+
+
+def after_row(call):
+    return lambda mp: kill_on_call(mp, RunDir, "append_row", call, before=False)
+
+
 KILL_POINTS = {
     "row 0 evaluation": in_evaluation(1),
     "stage 1 training, second step": in_training(2),
     "stage 1 checkpoint write": in_checkpoint_write(1),
     "stage 1 evaluation": in_evaluation(2),
+    "stage 1 row written, before stage 2": after_row(2),
     "stage 2 training, first step": in_training(3),
     "stage 2 training, after its first step": in_training(4),
     "stage 2 checkpoint write": in_checkpoint_write(2),
+    "stage 2 checkpoint write, weights saved, optimizer state not": between_weights_and_optimizer_state(2),
+    "stage 2 row written, earlier optimizer state not yet deleted": after_row(3),
     "stage 2 evaluation": in_evaluation(3),
     "after the last row, before FINISHED": after_last_row,
     "after FINISHED, before the report": after_finished,
