@@ -335,3 +335,16 @@ def test_a_strategys_own_state_is_saved_with_the_checkpoint_and_restored(base_mo
     checkpoints = out / "checkpoints"
     assert not (checkpoints / "stage-01" / "strategy_state.safetensors").exists()  # like the optimizer state
     assert load_file(checkpoints / "stage-02" / "strategy_state.safetensors")["total"].item() == 3.0
+
+
+def test_resume_refuses_a_plan_the_strategy_no_longer_makes(base_model, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        in_evaluation(2)(patch)
+        with pytest.raises(Killed):
+            run(experiment(base_model, out), show_progress=False)
+    plan = json.loads((out / "plan.json").read_text())
+    plan["stages"][1]["steps"] = 7  # as if the strategy's code had changed since
+    (out / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(RunExistsError, match="now plans other stages than .*plan.json records; use --force"):
+        run(experiment(base_model, out), resume=True, show_progress=False)
