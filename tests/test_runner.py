@@ -214,10 +214,9 @@ def test_evaluation_uses_the_eval_rollout_and_one_seed_for_every_row(base_model,
 
 
 def test_base_success_is_measured_on_seeded_training_tasks(base_model, tmp_path, monkeypatch):
-    from contrail.experiment import build_stream
-
     from contrail import runner
     from contrail.evaluation import select_tasks
+    from contrail.experiment import build_stream
 
     built = recording_evaluators(monkeypatch)
     monkeypatch.setattr(runner, "BASE_SUCCESS_TASKS", 3)  # fewer than the 8 training tasks: a sample
