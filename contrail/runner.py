@@ -128,6 +128,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     if done >= 1:
         trainer.load_state(run_dir.checkpoint_dir(done))
         _load_strategy_state(strategy, run_dir.checkpoint_dir(done))
+        _restore_reference(trainer, experiment, start_model)
         console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
     if processes.is_main_process:
         _truncate_log(run_dir.path / GRPO_LOG, trainer.step_count)
@@ -248,6 +249,20 @@ def _make_trainer(experiment: Experiment, stream: Stream, model, tokenizer, run_
 
     return GRPOTrainer(model, tokenizer, experiment.grpo, experiment.rollout, env_factory(stream.experiences),
                        seed=experiment.seed, log_dir=run_dir.path, show_progress=show_progress)
+
+
+def _restore_reference(trainer: GRPOTrainer, experiment: Experiment, start_model: str) -> None:
+    """Give a resumed trainer the run's start model as its KL reference (``grpo.beta > 0``).
+
+    The trainer freezes a copy of the model it is built with; after a resume
+    that is the checkpoint's, so the start model's weights are loaded into it.
+    With LoRA the reference is the (unchanged) base model under the adapter.
+    """
+    if trainer.reference is None or experiment.grpo.lora:
+        return
+    start, _ = load_model(start_model, dtype=experiment.model.dtype)
+    trainer.reference.load_state_dict(start.state_dict())
+    del start
 
 
 def _make_evaluator(experiment: Experiment, stream: Stream, show_progress: bool) -> Evaluator:

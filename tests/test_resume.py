@@ -72,7 +72,7 @@ def base_model(tmp_path_factory):
     return str(path)
 
 
-def experiment(base_model, out, strategy="sequential") -> Experiment:
+def experiment(base_model, out, strategy="sequential", beta=0.0) -> Experiment:
     return Experiment(
         name="resume",
         stream=StreamSpec(train=["magic:easy", "magic-berry:easy"], train_tasks=8, test_tasks=4,
@@ -80,7 +80,7 @@ def experiment(base_model, out, strategy="sequential") -> Experiment:
         strategy=StrategySpec(name=strategy),
         model=ModelSpec(name=base_model, dtype="float32", device="cpu"),
         rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
-        grpo=GRPOConfig(lr=3e-2, group_size=8, tasks_per_step=2),
+        grpo=GRPOConfig(lr=3e-2, group_size=8, tasks_per_step=2, beta=beta),
         eval=EvalSpec(k=2),
         seed=0,
         out=str(out),
@@ -348,3 +348,16 @@ def test_resume_refuses_a_plan_the_strategy_no_longer_makes(base_model, tmp_path
     (out / "plan.json").write_text(json.dumps(plan))
     with pytest.raises(RunExistsError, match="now plans other stages than .*plan.json records; use --force"):
         run(experiment(base_model, out), resume=True, show_progress=False)
+
+
+def test_a_resumed_run_keeps_the_start_model_as_its_kl_reference(base_model, tmp_path, monkeypatch):
+    """With ``grpo.beta > 0`` the KL reference is the run's start model, not the checkpoint resumed from."""
+    straight = tmp_path / "straight"
+    run(experiment(base_model, straight, beta=0.5), show_progress=False)
+    out = tmp_path / "resumed"
+    with monkeypatch.context() as patch:
+        in_training(4)(patch)
+        with pytest.raises(Killed):
+            run(experiment(base_model, out, beta=0.5), show_progress=False)
+    run(experiment(base_model, out, beta=0.5), resume=True, show_progress=False)
+    assert_same_run(out, straight)
