@@ -8,11 +8,15 @@ trains, calls ``after_stage``, saves a checkpoint, evaluates every test
 experience and appends the stage's row (atomically). Every seed is derived
 from ``experiment.seed`` by name (`contrail.seeds.derive_seed`).
 
-Resuming works after a kill at any moment: the stages are replayed from
-``plan.json``, training continues from the checkpoint of the last *recorded*
-stage (the optimizer state of a stage is kept until the next row is
-written), ``grpo_log.jsonl`` is cut back to that checkpoint's step, and a
-finished run whose report is missing gets its report rebuilt.
+Resuming works after a kill at any moment and reproduces the uninterrupted
+run exactly: the stages are replayed from ``plan.json`` (the strategy must
+plan them again, identically); training continues from the checkpoint of the
+last *recorded* stage, whose optimizer state (and the strategy's own state,
+if it has one) is kept until the next row is written; checkpoints are
+written to a staging directory and renamed into place; evaluation leaves
+the global random state alone, so a checkpoint saved before it resumes the
+same streams; ``grpo_log.jsonl`` is cut back to the checkpoint's step; a KL
+reference stays the start model; and a finished run gets its report rebuilt.
 
 >>> experiment = load_experiment("experiments/quickstart.yaml")
 >>> result = run(experiment)                       # into experiment.out
