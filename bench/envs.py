@@ -10,6 +10,9 @@ a note):
   and the first step;
 - per-episode costs over ``--episodes`` expert episodes: construct, reset,
   step (the expert's text through ``step()``), and the expert itself;
+- ``step()`` on 1 MB adversarial outputs (whitespace runs, unclosed tags,
+  brackets, thousands of action lines): parsing must stay linear, so a model
+  that never stops cannot stall a rollout (``--parse-only`` runs just this);
 - one batched generation turn of the model on that environment's first
   prompts (``--gen-batch`` episodes x ``--gen-tokens`` tokens, no stop),
   measured in the same run, and the ratio of the environments' share of a
@@ -17,12 +20,12 @@ a note):
 
     python bench/envs.py --quick                      # all environments, a few minutes on 2 cores
     python bench/envs.py --envs textcraft,webshop --episodes 50 --json out.json
+    python bench/envs.py --parse-only                 # 1 MB outputs through step(), no model
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import subprocess
@@ -48,6 +51,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gen-batch", type=int, default=8)
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--skip-first-use", action="store_true", help="skip the fresh-process measurements")
+    parser.add_argument("--parse-only", action="store_true", help="only time step() on 1 MB adversarial outputs")
+    parser.add_argument("--parse-bytes", type=int, default=1_000_000, help="size of the adversarial outputs")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--first-use-worker", nargs=2, metavar=("ENV", "CACHE_DIR"), help=argparse.SUPPRESS)
@@ -60,8 +65,7 @@ CACHE_VARIABLES = ("CONTRAIL_CACHE", "CONTRAIL_CACHE_DIR", "CONTRAIL_WEBSHOP_CAC
 
 def options_for(name: str, cache_dir: str) -> dict:
     """Point the environment's disk cache at ``cache_dir`` when it has one (so 'cold' really is cold)."""
-    parameters = inspect.signature(envs.env_class(name).__init__).parameters
-    return {"cache_dir": str(Path(cache_dir) / name)} if "cache_dir" in parameters else {}
+    return {"cache_dir": str(Path(cache_dir) / name)} if "cache_dir" in envs.options(name) else {}
 
 
 # --- first use, in a fresh process -------------------------------------------------
@@ -140,6 +144,52 @@ def generation_turn(policy, name: str, cache_dir: str, batch: int, tokens: int) 
     return {"turn_ms": 1e3 * seconds, "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts)}
 
 
+# --- huge outputs through step() ----------------------------------------------------------
+
+
+def huge_outputs(size: int) -> dict[str, str]:
+    """Adversarial model outputs of about ``size`` characters, one per parser weakness."""
+    return {
+        "blank lines": "\n" * size,
+        "spaces in an action": "Action: a" + " " * size + "b",
+        "whitespace after Action:": "Action:" + " \t\n" * (size // 3),
+        "unclosed tags": "<search>" * (size // 8),
+        "brackets": "Action: click[" + "[" * size,
+        "action lines": "Action: get 1 stick\n" * (size // 20),
+        "long craft": "Action: craft " + "1 stick, " * (size // 9) + " using",
+    }
+
+
+def parse_costs(name: str, cache_dir: str, size: int) -> dict[str, float]:
+    """Seconds of one ``step()`` per adversarial output, all in one episode."""
+    env = envs.make(name, **options_for(name, cache_dir))
+    outputs = huge_outputs(size)
+    env.reset(env.tasks("test")[0], turn_limit=len(outputs) + 1)
+    seconds = {}
+    for label, text in outputs.items():
+        started = time.perf_counter()
+        env.step(text)
+        seconds[label] = time.perf_counter() - started
+    env.close()
+    return seconds
+
+
+def report_parse_costs(out, names: list[str], cache_dir: str, size: int, report: dict, notes: list[str]) -> None:
+    rows = []
+    for name in names:
+        try:
+            costs = parse_costs(name, cache_dir, size)
+        except Exception as error:  # an environment that cannot run here is reported, not fatal
+            notes.append(f"{name}: parse costs skipped ({type(error).__name__}: {error})")
+            continue
+        report["envs"].setdefault(name, {})["parse_seconds"] = costs
+        worst = max(costs, key=costs.get)
+        rows.append([name] + [fmt(1e3 * costs[label], 1) for label in costs] + [f"{worst}"])
+    labels = list(huge_outputs(10))
+    out.print(table(f"step() on {size:,}-character outputs (ms): parsing is linear",
+                    ["env", *labels, "slowest"], rows))
+
+
 # --- the report -------------------------------------------------------------------------
 
 
@@ -155,6 +205,12 @@ def main(argv=None) -> None:
     cache_dir = tempfile.mkdtemp(prefix="contrail-bench-envs-")
     report = {"machine": info, "args": vars(args), "cache_dir": cache_dir, "envs": {}}
     notes = []
+    report_parse_costs(out, names, cache_dir, args.parse_bytes, report, notes)
+    if args.parse_only:
+        for note in notes:
+            out.print(f"[yellow]note[/]: {note}")
+        write_json(args.json, {**report, "notes": notes})
+        return
 
     if not args.skip_first_use:
         rows = []

@@ -7,16 +7,11 @@ import torch
 
 from contrail.agent import ChatFormat, Generation, HFBackend, RolloutConfig, SamplingParams, rollout
 from contrail.envs.base import Step, Task
-from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
+from contrail.testing import MagicWordEnv, tiny_model
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def chat(tokenizer):
+def chat(tokenizer):  # tokenizer: the tiny one of tests/conftest.py
     return ChatFormat.from_tokenizer(tokenizer)
 
 
@@ -116,7 +111,33 @@ def test_episode_token_limit_truncates(tokenizer, chat, random_policy):
 def test_turn_limit_override(tokenizer, chat):
     backend = ScriptedBackend(tokenizer, chat, ["grape"] * 5)
     [traj] = rollout(backend, chat, easy_tasks(), lambda t: MagicWordEnv(), RolloutConfig(max_turns=2))
-    assert traj.turns == 2 and not traj.truncated
+    assert traj.turns == 2 and not traj.truncated and traj.error is None
+
+
+def test_turn_limit_override_can_exceed_the_environments_own_limit(tokenizer, chat):
+    """Hard magic tasks allow 1 turn; the rollout's max_turns replaces that limit for the episode."""
+    hard = MagicWordEnv().tasks("test", "hard")[:1]
+    backend = ScriptedBackend(tokenizer, chat, ["grape", "lemon", "berry", "mango"])
+    [own] = rollout(backend, chat, hard, lambda t: MagicWordEnv())
+    assert own.turns == 1 and own.error is None
+    backend = ScriptedBackend(tokenizer, chat, ["grape", "lemon", "apple", "mango"])
+    [longer] = rollout(backend, chat, hard, lambda t: MagicWordEnv(), RolloutConfig(max_turns=4))
+    assert longer.turns == 3 and longer.success and longer.error is None
+
+
+def test_an_environment_that_cannot_be_built_fails_its_episode_not_the_rollout(tokenizer, chat):
+    backend = ScriptedBackend(tokenizer, chat, ["apple"])
+    tasks = easy_tasks(3)
+
+    def make(task):
+        if task == tasks[1]:
+            raise OSError("the game files are missing")
+        return MagicWordEnv()
+
+    first, broken, last = rollout(backend, chat, tasks, make)
+    assert broken.error == "OSError: the game files are missing" and broken.reward == 0 and not broken.success
+    assert broken.turns == 0 and broken.messages[-1]["role"] == "error"
+    assert first.success and last.success and first.error is None is last.error
 
 
 def test_same_seed_same_trajectories(tokenizer, chat):
@@ -155,11 +176,21 @@ def test_left_padded_batch_matches_single_prompt_greedy(tokenizer, chat, random_
         assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
 
 
-def test_rollout_config_validation():
-    with pytest.raises(ValueError, match="max_episode_tokens"):
+@pytest.mark.parametrize("field, value", [
+    ("max_new_tokens", 0), ("max_new_tokens", 2.5), ("max_episode_tokens", -1), ("max_turns", 0),
+    ("max_turns", True), ("temperature", -0.1), ("temperature", float("inf")), ("temperature", float("nan")),
+    ("top_p", 0), ("top_p", 1.5), ("top_p", float("nan")),
+])
+def test_rollout_config_validation_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}"):
+        RolloutConfig(**{field: value})
+
+
+def test_rollout_config_needs_room_for_a_turn_and_keywords():
+    with pytest.raises(ValueError, match="^max_episode_tokens"):
         RolloutConfig(max_new_tokens=64, max_episode_tokens=32)
-    with pytest.raises(ValueError, match="top_p"):
-        RolloutConfig(top_p=0)
+    with pytest.raises(TypeError):
+        RolloutConfig(64, 256)  # keyword use only: a positional 1.0 cannot land in the wrong field
 
 
 def test_task_is_recorded(tokenizer, chat):

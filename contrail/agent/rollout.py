@@ -129,8 +129,7 @@ def _start(task: Task, sample: int, make_env: EnvFactory, chat: ChatFormat, conf
     episode = _Episode(env=None, trajectory=trajectory)
     try:  # a broken environment (constructor or reset) fails this episode, not the batch
         episode.env = make_env(task)
-        # The rollout's max_turns overrides the environment's own limit; the env counts the turns.
-        observation = episode.env.reset(task, turn_limit=config.max_turns)
+        observation = _reset(episode.env, task, config.max_turns)
         messages = episode.env.prompt_messages() + [{"role": "user", "content": observation}]
     except Exception as error:
         _fail(episode, error)
@@ -141,6 +140,18 @@ def _start(task: Task, sample: int, make_env: EnvFactory, chat: ChatFormat, conf
         trajectory.truncated = True
         episode.done = True
     return episode
+
+
+def _reset(env: Env, task: Task, max_turns: int | None) -> str:
+    """Start the episode; the rollout's ``max_turns`` overrides the environment's own limit.
+
+    The environment counts the turns and ends the episode at the limit. Without
+    an override the plain ``reset(task)`` is called, the call every wrapper of
+    ``reset`` (a test's spy, a user's subclass) understands.
+    """
+    if max_turns is None:
+        return env.reset(task)
+    return env.reset(task, turn_limit=max_turns)
 
 
 def _fail(episode: _Episode, error: BaseException) -> None:

@@ -10,6 +10,7 @@ deep inside the environment.
 
 from __future__ import annotations
 
+import collections.abc as abc
 import inspect
 import os
 import types
@@ -28,7 +29,7 @@ def declared_options(factory: Callable[..., Any]) -> dict[str, Any]:
     target = factory.__init__ if isinstance(factory, type) else factory
     try:
         hints = typing.get_type_hints(target)
-    except Exception:  # an annotation that does not evaluate: fall back to "anything"
+    except (NameError, TypeError, AttributeError):  # an annotation that does not evaluate: "anything"
         hints = {}
     found: dict[str, Any] = {}
     for index, (name, parameter) in enumerate(inspect.signature(target).parameters.items()):
@@ -50,11 +51,19 @@ def conforms(value: Any, hint: Any) -> bool:
         return any(conforms(value, arm) for arm in typing.get_args(hint))
     if origin is Literal:
         return value in typing.get_args(hint)
-    if origin in (list, tuple, set, frozenset):
+    if origin in (list, tuple, set, frozenset, abc.Sequence, abc.Set, abc.Collection, abc.Iterable):
         return isinstance(value, (list, tuple)) and _items_conform(value, typing.get_args(hint))
-    if origin is dict:
-        return isinstance(value, dict)
+    if origin in (dict, abc.Mapping):
+        return isinstance(value, dict) and _mapping_conforms(value, typing.get_args(hint))
+    if isinstance(origin, type):
+        return isinstance(value, origin)
     return _conforms_class(value, hint)
+
+
+def _mapping_conforms(mapping: dict, args: tuple) -> bool:
+    if len(args) != 2:
+        return True
+    return all(conforms(k, args[0]) and conforms(v, args[1]) for k, v in mapping.items())
 
 
 def _items_conform(items: Any, args: tuple) -> bool:
@@ -89,9 +98,15 @@ def describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         names = list(dict.fromkeys(describe(arm) for arm in typing.get_args(hint)))
+        if "path" in names and "str" in names:
+            names.remove("str")  # a path option takes a string anyway
         return " or ".join(names)
     if origin is Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    if origin in (list, tuple, set, frozenset, abc.Sequence, abc.Set, abc.Collection, abc.Iterable):
+        return "list"
+    if origin in (dict, abc.Mapping):
+        return "mapping"
     if origin is not None:
         return getattr(origin, "__name__", str(hint))
     if isinstance(hint, type) and issubclass(hint, (PurePath, os.PathLike)):

@@ -31,8 +31,8 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from contrail.envs.webshop_catalog import NOUN_LEXICON, Product
-from contrail.envs.webshop_goals import Goal
+from contrail.envs.webshop.catalog import NOUN_LEXICON, Product
+from contrail.envs.webshop.goals import Goal
 
 _NON_WORD = re.compile(r"[^a-z0-9.%]+")
 _LOOSE_DOT = re.compile(r"(?<![0-9])\.|\.(?![0-9])")

@@ -1,7 +1,7 @@
 r"""WebShop: shop a generated catalogue by search and click; graded reward on purchase.
 
 The interface is AgentGym's WebShop (``agentenv-webshop``, WebShop's text
-mode): the model reads ``[SEP]``-joined pages (``webshop_pages``) whose only
+mode): the model reads ``[SEP]``-joined pages (``webshop.pages``) whose only
 list of clickables is the page text itself, and answers in AgentGym's ReAct
 format::
 
@@ -23,9 +23,9 @@ comes back with reward 0 and ``valid=False``, as WebShop "performs nothing".
 No text ever raises.
 
 Clicking ``Buy Now`` ends the episode with the graded reward of
-``webshop_reward`` (success means reward 1). The catalogue and its BM25 index
-are shared per process and cached on disk (``webshop_store``); goals, task
-ids and difficulties are described in ``webshop_goals``.
+``webshop.reward`` (success means reward 1). The catalogue and its BM25 index
+are shared per process and cached on disk (``webshop.store``); goals, task
+ids and difficulties are described in ``webshop.goals``.
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ from __future__ import annotations
 import random
 import re
 from dataclasses import asdict, replace
+from pathlib import Path
 
 from contrail.envs.base import Env, Step, Task, register
-from contrail.envs.webshop_catalog import PRODUCT_TYPES, Product, type_attributes
-from contrail.envs.webshop_goals import Goal, difficulty_of, make_goal, split_of, task_ids
-from contrail.envs.webshop_pages import NEXT, PREV, Clickable, View, clickables, render
-from contrail.envs.webshop_reward import RewardBreakdown, purchase_reward, satisfies
-from contrail.envs.webshop_store import Shop, get_shop
+from contrail.envs.webshop.catalog import PRODUCT_TYPES, Product, type_attributes
+from contrail.envs.webshop.goals import Goal, difficulty_of, make_goal, split_of, task_ids
+from contrail.envs.webshop.pages import NEXT, PREV, Clickable, View, clickables, render
+from contrail.envs.webshop.reward import RewardBreakdown, purchase_reward, satisfies
+from contrail.envs.webshop.store import Shop, get_shop
 
 INSTRUCTION = (
     "You are web shopping.\n"
@@ -65,26 +66,45 @@ INSTRUCTION = (
 )
 
 _ACTION_MARKER = re.compile(r"action\s*:", re.IGNORECASE)
-_ACTION = re.compile(r"(.+)\[(.+)\]")  # WebShop's parse_action pattern, matched at the line start
 
 
 def parse_action(text: object) -> tuple[str, str] | None:
     """``(verb, argument)`` of the action in ``text``, or None when there is none.
 
-    The verb is lower-cased; the argument is stripped and never empty.
+    The verb is lower-cased; the argument is stripped and never empty. Linear
+    in the length of ``text`` (see `split_bracketed`).
     """
     if not isinstance(text, str):
         return None
-    markers = list(_ACTION_MARKER.finditer(text))
-    tail = text[markers[-1].end():] if markers else text
+    marker = None
+    for marker in _ACTION_MARKER.finditer(text):
+        pass  # only the last marker counts
+    tail = text[marker.end():] if marker is not None else text
     first = next((line.strip() for line in tail.splitlines() if line.strip()), "")
-    match = _ACTION.match(first)
-    if match is None:
+    parts = split_bracketed(first)
+    if parts is None:
         return None
-    verb, argument = match.group(1).strip().lower(), match.group(2).strip()
+    verb, argument = parts[0].strip().lower(), parts[1].strip()
     if verb not in ("search", "click") or not argument:
         return None
     return verb, argument
+
+
+def split_bracketed(line: str) -> tuple[str, str] | None:
+    r"""What WebShop's ``re.match(r"(.+)\[(.+)\]", line)`` captures, found in linear time.
+
+    The greedy groups put the split at the last ``]`` of the line and at the
+    last ``[`` that leaves at least one character on each side of it; the
+    regular expression itself backtracks quadratically on lines full of
+    brackets. ``line`` is one line (no ``\n``).
+    """
+    close = line.rfind("]")
+    if close < 2:  # "x[" and one character must come before it
+        return None
+    open_ = line.rfind("[", 1, close - 1)  # group 1 and group 2 are both non-empty
+    if open_ < 0:
+        return None
+    return line[:open_], line[open_ + 1 : close]
 
 
 def react(thought: str, action: str) -> str:
@@ -93,7 +113,7 @@ def react(thought: str, action: str) -> str:
 
 
 @register("webshop")
-class WebShop(Env):
+class WebShopEnv(Env):
     """A generated shop with WebShop's pages, actions and graded reward.
 
     ``seed`` picks the catalogue (and so every goal); ``cache_dir`` and
@@ -109,7 +129,7 @@ class WebShop(Env):
         self,
         max_turns: int | None = None,
         seed: int = 0,
-        cache_dir: str | None = None,
+        cache_dir: str | Path | None = None,
         disk_cache: bool = True,
     ) -> None:
         super().__init__(max_turns)
@@ -117,11 +137,9 @@ class WebShop(Env):
         self._cache_dir = cache_dir
         self._disk_cache = disk_cache
         self._shop: Shop | None = None
-        self.task: Task | None = None
         self.goal: Goal | None = None
         self.view = View()
         self.searches: list[str] = []
-        self.turns = 0
         self.last_reward: RewardBreakdown | None = None
 
     # --- shared data ---------------------------------------------------------
@@ -148,15 +166,13 @@ class WebShop(Env):
     def goal_of(self, task: Task) -> Goal:
         """The goal behind ``task`` (checks that the task is one of this environment's)."""
         if task.env != self.name or split_of(task.id) != task.split or difficulty_of(task.id) != task.difficulty:
-            raise ValueError(f"{task} is not a webshop task (see WebShop.tasks)")
+            raise ValueError(f"{task} is not a webshop task (see WebShopEnv.tasks)")
         return make_goal(self.shop.products, task.id, self.seed)
 
-    def reset(self, task: Task) -> str:
-        self.goal = self.goal_of(task)
-        self.task = task
+    def on_reset(self, task: Task) -> str:
+        self.goal = self.goal_of(task)  # the first use of the shop builds or loads it
         self.view = View()
         self.searches = []
-        self.turns = 0
         self.last_reward = None
         return self.observation()
 
@@ -165,12 +181,7 @@ class WebShop(Env):
         score = self.last_reward.total if self.last_reward else None
         return render(self.view, self.goal.instruction, self.shop.by_asin, score)
 
-    def step(self, text: str) -> Step:
-        if self.goal is None:
-            raise RuntimeError("call reset(task) before step()")
-        self.turns += 1
-        if self.view.kind == "done":
-            return self._unchanged(None, "the episode is over")
+    def on_step(self, text: str) -> Step:
         parsed = parse_action(text)
         if parsed is None:
             return self._unchanged(None, "no search[...] or click[...] action found")
@@ -187,13 +198,13 @@ class WebShop(Env):
 
     def _unchanged(self, action: str | None, reason: str) -> Step:
         info = {"action": action, "page": self.view.kind, "error": reason}
-        return Step(self.observation(), 0.0, self.view.kind == "done", False, False, info)
+        return Step(observation=self.observation(), valid=False, info=info)
 
     def _search(self, keywords: str, action: str) -> Step:
         keywords = keywords.lower()  # WebShop lower-cases the argument
         self.searches.append(keywords)
         self.view = View(kind="results", keywords=keywords, results=self.shop.search.search(keywords))
-        return Step(self.observation(), info={"action": action, "page": "results"})
+        return Step(observation=self.observation(), info={"action": action, "page": "results"})
 
     def _click(self, clickable: Clickable, action: str) -> Step:
         view = self.view
@@ -211,7 +222,7 @@ class WebShop(Env):
             self.view = replace(view, kind=clickable.target)
         elif clickable.effect == "back":
             self.view = replace(view, kind="results" if view.kind == "item" else "item")
-        return Step(self.observation(), info={"action": action, "page": self.view.kind})
+        return Step(observation=self.observation(), info={"action": action, "page": self.view.kind})
 
     def _buy(self, action: str) -> Step:
         product = self.shop.by_asin[self.view.asin]
@@ -220,14 +231,13 @@ class WebShop(Env):
         self.view = replace(self.view, kind="done")
         info = {"action": action, "page": "done", "asin": product.asin, "reward": asdict(breakdown)}
         success = breakdown.total == 1.0
-        return Step(self.observation(), breakdown.total, True, success, True, info)
+        return Step(observation=self.observation(), reward=breakdown.total, done=True, success=success, info=info)
 
     # --- the expert --------------------------------------------------------------
     def expert(self) -> str:
         """Search with the goal's words, open a product that meets every constraint
         (paging if needed), choose the asked options, buy."""
-        if self.goal is None:
-            raise RuntimeError("call reset(task) before expert()")
+        self.require_episode("expert()")
         rng = random.Random(self.goal.task_id * 1_009 + self.turns)
         kind = self.view.kind
         if kind == "search":
@@ -236,8 +246,6 @@ class WebShop(Env):
             return self._expert_results(rng)
         if kind == "item":
             return self._expert_item(rng)
-        if kind == "done":
-            return react("I think I have already bought the product, so nothing is left to do.", "click[Buy Now]")
         return react(rng.choice((
             f"I think I have read enough of the {kind}; I will go back to the product page.",
             f"I think the {kind} page does not change my choice, so I will return to the item.",
@@ -301,13 +309,12 @@ class WebShop(Env):
     # --- a random baseline -------------------------------------------------------
     def random_action(self, rng: random.Random) -> str:
         """A random search on the search page, else a random clickable of the page."""
+        self.require_episode("random_action()")
         if self.view.kind == "search":
             product_type = rng.choice(PRODUCT_TYPES)
             words = [product_type.name, *rng.sample(type_attributes(product_type), rng.randint(0, 2))]
             return react("I think I will try a search.", f"search[{' '.join(words)}]")
         options = list(clickables(self.view, self.shop.by_asin).values())
-        if not options:
-            return react("I think the episode is over.", "click[Buy Now]")
         return react("I think I will click something.", f"click[{rng.choice(options).label}]")
 
     def product(self, asin: str) -> Product:

@@ -11,10 +11,10 @@ pytest.importorskip("textworld")
 pytest.importorskip("fast_downward")
 
 from contrail.envs import make  # noqa: E402
-from contrail.envs import alfworld_games as games  # noqa: E402
-from contrail.envs.alfworld import NOTHING_HAPPENED, to_agentgym, to_engine  # noqa: E402
-from contrail.envs.alfworld_engine import ENGINES  # noqa: E402
-from contrail.envs.alfworld_expert import parse_goal  # noqa: E402
+from contrail.envs.alfworld import games  # noqa: E402
+from contrail.envs.alfworld.env import NOTHING_HAPPENED, to_agentgym, to_engine  # noqa: E402
+from contrail.envs.alfworld.engine import ENGINES  # noqa: E402
+from contrail.envs.alfworld.expert import parse_goal  # noqa: E402
 from contrail.envs.base import Task  # noqa: E402
 from contrail.envs.parsing import last_action  # noqa: E402
 
@@ -329,7 +329,7 @@ def test_textworld_intern_table_is_emptied_between_games(env, one_task_per_type,
     import mementos.core
     from textworld.logic import Proposition
 
-    from contrail.envs import alfworld_engine
+    from contrail.envs.alfworld import engine
 
     def interned_names():
         return {
@@ -340,7 +340,7 @@ def test_textworld_intern_table_is_emptied_between_games(env, one_task_per_type,
             if "_bar_" in argument.name  # THOR ids: unique to a floor plan
         }
 
-    monkeypatch.setattr(alfworld_engine, "_INTERNED_LIMIT", 1)
+    monkeypatch.setattr(engine, "_INTERNED_LIMIT", 1)
     env.reset(one_task_per_type["pick_and_place_simple"])  # a kitchen
     kitchen = interned_names()
     env.reset(one_task_per_type["look_at_obj_in_light"])  # a living room or bedroom

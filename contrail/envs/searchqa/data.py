@@ -1,7 +1,7 @@
 """SearchQA's records (passages, questions) and the loader for real corpora on disk.
 
 Two sources feed the environment: the generated encyclopedia
-(`searchqa_world`) and files a user already has, in the layouts Search-R1 and
+(`searchqa.world`) and files a user already has, in the layouts Search-R1 and
 FlashRAG use:
 
 - passages, JSONL, one per line: ``{"id", "title", "text"}``, or Search-R1's

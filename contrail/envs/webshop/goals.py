@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from contrail.envs.webshop_catalog import Product
+from contrail.envs.webshop.catalog import Product
 
 TRAIN_SIZE = 6000
 TEST_SIZE = 1000
@@ -46,7 +46,7 @@ class Goal:
     """What the shopper wants, and the target product it was drawn from.
 
     ``query``, ``category`` and ``title`` describe the target's type; the
-    reward compares the purchased product's against them (see webshop_reward).
+    reward compares the purchased product's against them (see webshop.reward).
     """
 
     task_id: int

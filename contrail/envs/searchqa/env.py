@@ -2,17 +2,17 @@
 
 The model reasons in ``<think>``, searches with ``<search> query </search>`` and
 gets the top 3 passages back in ``<information>``, and answers with ``<answer>``
-(see `searchqa_protocol`). A correct answer (normalised exact match against the
+(see `searchqa.protocol`). A correct answer (normalised exact match against the
 gold answers and aliases) ends the episode with reward 1; a wrong one says so
 and the episode goes on, as AgentGym's SearchQA does.
 
 Two sources of questions and passages:
 
-- default: a generated encyclopedia of fictional entities (`searchqa_world`),
+- default: a generated encyclopedia of fictional entities (`searchqa.world`),
   so answers must be retrieved, not remembered. Easy = 1-hop questions, hard =
   2-3 hops. ``seed=`` picks the world.
 - ``corpus_path=`` + ``questions_path=``: a real corpus and NQ/HotpotQA-style
-  question files on local disk (`searchqa_data`), to run the original setting.
+  question files on local disk (`searchqa.data`), to run the original setting.
 
 Retrieval is BM25 (``retriever="bm25"``) or MiniLM embeddings
 (``retriever="dense"``, optional package). Worlds, passages and indices are built
@@ -37,9 +37,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from contrail.envs.base import Env, Step, Task, register
-from contrail.envs.searchqa_data import Hop, Passage, Question, load_passages, load_questions
-from contrail.envs.searchqa_protocol import (
-    EPISODE_OVER,
+from contrail.envs.searchqa.data import Hop, Passage, Question, load_passages, load_questions
+from contrail.envs.searchqa.protocol import (
     INCORRECT_ANSWER,
     INSTRUCTION,
     INVALID_ACTION,
@@ -49,8 +48,8 @@ from contrail.envs.searchqa_protocol import (
     parse_action,
     question_prompt,
 )
-from contrail.envs.searchqa_retrieval import RETRIEVERS, Retriever, build_retriever
-from contrail.envs.searchqa_world import RELATIONS, World
+from contrail.envs.searchqa.retrieval import RETRIEVERS, Retriever, build_retriever
+from contrail.envs.searchqa.world import RELATIONS, World
 
 CORRECT_ANSWER = "Your answer is correct."
 QuestionsSpec = str | Path | Mapping[str, str | Path] | Sequence[str | Path]
@@ -62,10 +61,26 @@ class KnowledgeSource:
 
     passages: list[Passage]
     questions: list[Question]
-    retriever: Retriever
     answer_pool: list[str]  # what a random agent may answer: entity names or passage titles
     build_seconds: float
+    retriever_name: str = "bm25"
+    cache_dir: str | Path | None = None
     _tasks: dict[tuple[str, str | None], list[Task]] = field(default_factory=dict, repr=False)
+    _retriever: Retriever | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def retriever(self) -> Retriever:
+        """The search index over ``passages``, built (or loaded from disk) at the first search.
+
+        Listing tasks never needs it, so ``contrail envs`` and ``--dry-run`` stay cheap.
+        """
+        with self._lock:
+            if self._retriever is None:
+                started = time.perf_counter()
+                self._retriever = build_retriever(self.retriever_name, self.passages, self.cache_dir)
+                self.build_seconds += time.perf_counter() - started
+            return self._retriever
 
     def tasks(self, split: str, difficulty: str | None) -> list[Task]:
         """The tasks of ``split`` (and ``difficulty``), in id order; a fresh list each call."""
@@ -114,8 +129,7 @@ def _build_source(seed, corpus_path, questions_path, retriever, cache_dir) -> Kn
         world = World(seed)
         passages, questions = world.passages, world.questions
         pool = [entity.name for entity in world.entities]
-    index = build_retriever(retriever, passages, cache_dir)
-    return KnowledgeSource(passages, questions, index, pool, time.perf_counter() - started)
+    return KnowledgeSource(passages, questions, pool, time.perf_counter() - started, retriever, cache_dir)
 
 
 # --- the expert's words --------------------------------------------------------------
@@ -157,7 +171,7 @@ def _answer(thought: str, answer: str) -> str:
 
 
 @register("searchqa")
-class SearchQA(Env):
+class SearchQAEnv(Env):
     """Search-augmented QA over a generated encyclopedia or a local corpus.
 
     Options: ``seed`` (generated world), ``corpus_path`` and ``questions_path``
@@ -199,8 +213,9 @@ class SearchQA(Env):
         self.train_max_turns, self.test_max_turns, self.top_k = train_max_turns, test_max_turns, top_k
         self._source_options = dict(seed=seed, corpus_path=corpus_path, questions_path=questions_path,
                                     retriever=retriever, cache_dir=cache_dir)
-        self._task: Task | None = None
         self._question: Question | None = None
+        self._seen: set[int] = set()       # passages shown so far: what the expert may rely on
+        self._queries: list[str] = []      # normalised queries issued so far
 
     @property
     def source(self) -> KnowledgeSource:
@@ -229,33 +244,19 @@ class SearchQA(Env):
             raise ValueError(f"{task} does not match question {task.id} ({question.split}, {question.difficulty})")
         return question
 
-    def reset(self, task: Task) -> str:
+    def on_reset(self, task: Task) -> str:
         self._question = self.question(task)
-        self._task = task
-        self._turns = 0
-        self._done = False
-        self._seen: set[int] = set()       # passages shown so far: what the expert may rely on
-        self._queries: list[str] = []      # normalised queries issued so far
+        self._seen = set()
+        self._queries = []
         return question_prompt(self._question.text)
 
-    def step(self, text: str) -> Step:
-        if self._question is None:
-            raise RuntimeError("SearchQA.step() called before reset()")
-        if self._done:
-            return Step(EPISODE_OVER, done=True, valid=False, info={"action": None})
-        self._turns += 1
+    def on_step(self, text: str) -> Step:
         action = parse_action(text)
         if action is None:
-            result = Step(INVALID_ACTION, valid=False, info={"action": None})
-        elif action.kind == "search":
-            result = self._do_search(action.content)
-        else:
-            result = self._do_answer(action.content)
-        if not result.done and self._turns >= self.turn_limit(self._task):
-            result.done = True
-            result.info["truncated"] = True
-        self._done = result.done
-        return result
+            return Step(observation=INVALID_ACTION, valid=False, info={"action": None})
+        if action.kind == "search":
+            return self._do_search(action.content)
+        return self._do_answer(action.content)
 
     def _do_search(self, query: str) -> Step:
         indices = self.source.retriever.search(query, self.top_k)
@@ -263,21 +264,20 @@ class SearchQA(Env):
         self._queries.append(normalize_answer(query))
         documents = [self.source.passages[index] for index in indices]
         observation = format_information((document.title, document.text) for document in documents)
-        return Step(observation, info={"action": "search", "query": query,
+        return Step(observation=observation, info={"action": "search", "query": query,
                                        "documents": [document.title for document in documents]})
 
     def _do_answer(self, answer: str) -> Step:
         info = {"action": "answer", "answer": answer}
         if exact_match(answer, self._question.answers):
-            return Step(CORRECT_ANSWER, reward=1.0, done=True, success=True, info=info)
-        return Step(INCORRECT_ANSWER, info=info)
+            return Step(observation=CORRECT_ANSWER, reward=1.0, done=True, success=True, info=info)
+        return Step(observation=INCORRECT_ANSWER, info=info)
 
     # --- reference agents -----------------------------------------------------------------
     def expert(self) -> str:
         """One search per hop, each only once the previous hop's passage was shown, then the answer."""
-        if self._question is None:
-            raise RuntimeError("SearchQA.expert() called before reset()")
-        rng = random.Random(self._task.id * 7919 + self._turns)  # varied wording, reproducible
+        self.require_episode("expert()")
+        rng = random.Random(self.task.id * 7919 + self.turns)  # varied wording, reproducible
         hops = self._question.hops
         if not hops:
             return self._expert_without_hops(rng)
@@ -310,8 +310,7 @@ class SearchQA(Env):
 
     def random_action(self, rng: random.Random) -> str:
         """A search for a few words of the question, or a random entity name as the answer."""
-        if self._question is None:
-            raise RuntimeError("SearchQA.random_action() called before reset()")
+        self.require_episode("random_action()")
         if rng.random() < 0.5:
             words = self._question.text.rstrip("?").split()
             query = " ".join(rng.sample(words, rng.randint(1, min(3, len(words)))))
@@ -320,4 +319,3 @@ class SearchQA(Env):
 
     def close(self) -> None:
         self._question = None
-        self._task = None

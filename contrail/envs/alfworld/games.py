@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from contrail.envs.alfworld_expert import Goal  # the same goal the expert reads back from a problem
+from contrail.envs.alfworld.expert import Goal  # the same goal the expert reads back from a problem
 
 TASK_TYPES = (
     "pick_and_place_simple",

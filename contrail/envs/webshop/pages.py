@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, NamedTuple
 
-from contrail.envs.webshop_catalog import Product
+from contrail.envs.webshop.catalog import Product
 
 SEP = " [SEP] "
 RESULTS_PER_PAGE = 10

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from contrail.envs.base import SPLITS, Env, Step, Task, register
 from contrail.envs.parsing import last_action
-from contrail.envs.textcraft_recipes import (
+from contrail.envs.textcraft.recipes import (
     Ingredient,
     PlannedStep,
     RecipeBook,
@@ -158,13 +158,14 @@ class TextCraftEnv(Env):
             raise ValueError(f"max_distractors must be >= 0, got {max_distractors}")
         self.data_dir = str(data_dir) if data_dir is not None else None
         self.max_distractors = max_distractors
-        self.book = load_recipe_book(self.data_dir)
-        self.task: Task | None = None
         self.goal: str | None = None
         self.commands: list[Recipe] = []
         self.inventory: dict[str, int] = {}
-        self.turns = 0
-        self.done = False
+
+    @property
+    def book(self) -> RecipeBook:
+        """The recipe tables (read once per process and data directory, on first use)."""
+        return load_recipe_book(self.data_dir)
 
     # --- the conversation ----------------------------------------------------
     def instruction(self) -> str:
@@ -194,15 +195,12 @@ class TextCraftEnv(Env):
         return _goals(self.data_dir)[task.id][1]
 
     # --- episodes ------------------------------------------------------------
-    def reset(self, task: Task) -> str:
+    def on_reset(self, task: Task) -> str:
         goals = _goals(self.data_dir)
-        if task.env != self.name or not 0 <= task.id < len(goals):
+        if not 0 <= task.id < len(goals):
             raise ValueError(f"not a TextCraft task: {task}")
-        self.task = task
         self.goal = goals[task.id][0]
         self.inventory = {}
-        self.turns = 0
-        self.done = False
         self.commands = self._crafting_commands(self.goal, random.Random(f"contrail/textcraft/{task.id}"))
         lines = "\n".join(recipe.command for recipe in self.commands)
         return f"Crafting commands:\n{lines}\n\nGoal: craft {item_name(self.goal)}."
@@ -215,9 +213,7 @@ class TextCraftEnv(Env):
         rng.shuffle(shown)
         return shown
 
-    def step(self, text: str) -> Step:
-        self._require_live()
-        self.turns += 1
+    def on_step(self, text: str) -> Step:
         raw = last_action(text)
         action = normalize_action(raw or "")
         info = {"action": action, "turn": self.turns, "error": None}
@@ -225,15 +221,8 @@ class TextCraftEnv(Env):
             observation, solved = self._execute(action)
         except _ActionFailed as failure:
             info["error"] = "no_action" if raw is None else failure.kind
-            return Step(str(failure), valid=False, info=info)
-        self.done = solved
-        return Step(observation, reward=float(solved), done=solved, success=solved, info=info)
-
-    def _require_live(self) -> None:
-        if self.task is None:
-            raise RuntimeError("TextCraft: call reset(task) before step() or expert()")
-        if self.done:
-            raise RuntimeError("TextCraft: the episode is over (goal crafted); call reset(task) to play again")
+            return Step(observation=str(failure), valid=False, info=info)
+        return Step(observation=observation, reward=float(solved), done=solved, success=solved, info=info)
 
     def _execute(self, action: str) -> tuple[str, bool]:
         """Apply a normalized action; returns (observation, goal crafted) or raises _ActionFailed."""
@@ -316,7 +305,7 @@ class TextCraftEnv(Env):
 
     # --- expert and baseline -------------------------------------------------
     def expert(self) -> str:
-        self._require_live()
+        self.require_episode("expert()")
         plan = plan_actions(self.book, self.goal, self.inventory)
         if not plan:
             return "Thought: I already have the goal item.\nAction: inventory"
@@ -336,7 +325,7 @@ class TextCraftEnv(Env):
     def random_action(self, rng: random.Random) -> str:
         """A random plausible action: get a base item named in the commands, a listed
         crafting command, or ``inventory``."""
-        self._require_live()
+        self.require_episode("random_action()")
         gets = sorted(
             {
                 f"get {part.count} {item_name(part.name)}"

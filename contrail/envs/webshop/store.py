@@ -19,8 +19,8 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from contrail.envs.webshop_catalog import CATALOG_VERSION, Product, build_catalog, spec_fingerprint
-from contrail.envs.webshop_search import ProductSearch
+from contrail.envs.webshop.catalog import CATALOG_VERSION, Product, build_catalog, spec_fingerprint
+from contrail.envs.webshop.search import ProductSearch
 from contrail.paths import cache_root
 
 CACHE_ENV_VAR = "CONTRAIL_WEBSHOP_CACHE"

@@ -44,9 +44,7 @@ INVALID_ACTION = (
 # AgentGym's SearchQA keeps the episode going after a wrong answer.
 INCORRECT_ANSWER = "Sorry, your answer is incorrect. Please try again."
 
-EPISODE_OVER = "The episode is over."
-
-_ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+_OPENING = re.compile(r"<(search|answer)>")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)
 
@@ -63,15 +61,19 @@ def parse_action(text: str | None) -> Action | None:
     """The first complete ``<search>``/``<answer>`` element of ``text``, or None.
 
     None means the output is not a valid action: no tag, an unclosed tag, or an
-    element whose content is only whitespace.
+    element whose content is only whitespace. The same element as
+    ``re.search(r"<(search|answer)>(.*?)</\1>", text, re.DOTALL)``, found in
+    linear time: that expression rescans the rest of the text for every
+    unclosed opening tag.
     """
-    match = _ACTION.search(text or "")
-    if match is None:
-        return None
-    content = match.group(2).strip()
-    if not content:
-        return None
-    return Action(kind=match.group(1), content=content)
+    text = text or ""
+    last_close = {kind: text.rfind(f"</{kind}>") for kind in ("search", "answer")}
+    for opening in _OPENING.finditer(text):
+        kind = opening.group(1)
+        if last_close[kind] >= opening.end():  # this opening is closed somewhere after it
+            content = text[opening.end():text.find(f"</{kind}>", opening.end())].strip()
+            return Action(kind=kind, content=content) if content else None
+    return None
 
 
 def question_prompt(question: str) -> str:

@@ -10,18 +10,18 @@ import re
 import pytest
 
 from contrail.envs import make
-from contrail.envs.base import Task
-from contrail.envs.searchqa import CORRECT_ANSWER, SearchQA
-from contrail.envs.searchqa_data import Passage, load_passages, load_questions
-from contrail.envs.searchqa_protocol import (
+from contrail.envs.base import EpisodeOver, Task
+from contrail.envs.searchqa.env import CORRECT_ANSWER, SearchQAEnv
+from contrail.envs.searchqa.data import Passage, load_passages, load_questions
+from contrail.envs.searchqa.protocol import (
     INCORRECT_ANSWER,
     INVALID_ACTION,
     exact_match,
     normalize_answer,
     parse_action,
 )
-from contrail.envs.searchqa_retrieval import BM25Retriever, dense_model_path
-from contrail.envs.searchqa_world import World
+from contrail.envs.searchqa.retrieval import BM25Retriever, dense_model_path
+from contrail.envs.searchqa.world import World
 
 EXPERT_OUTPUT = re.compile(r"<think>[^<>]+</think>\n<(search|answer)> .+ </\1>", re.DOTALL)
 
@@ -32,11 +32,11 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture()
-def env(cache) -> SearchQA:
+def env(cache) -> SearchQAEnv:
     return make("searchqa", cache_dir=cache)
 
 
-def play(env: SearchQA, task: Task, policy) -> tuple[bool, int]:
+def play(env: SearchQAEnv, task: Task, policy) -> tuple[bool, int]:
     """Run one episode up to the task's turn limit; (success, turns)."""
     env.reset(task)
     for turn in range(1, env.turn_limit(task) + 1):
@@ -169,7 +169,9 @@ def test_the_episode_ends_at_the_turn_limit(env):
     env.reset(env.tasks("train", "hard")[0])
     results = [env.step("no tag") for _ in range(5)]
     assert [result.done for result in results] == [False] * 4 + [True]
-    assert results[-1].info["truncated"] and not results[-1].success
+    assert results[-1].info["turn_limit"] and not results[-1].success
+    with pytest.raises(EpisodeOver):
+        env.step("<answer> x </answer>")
 
 
 # --- the generated encyclopedia ----------------------------------------------------------

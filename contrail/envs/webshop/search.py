@@ -18,8 +18,8 @@ from typing import Sequence
 import bm25s
 import numpy as np
 
-from contrail.envs.webshop_catalog import Product
-from contrail.envs.webshop_reward import normalize
+from contrail.envs.webshop.catalog import Product
+from contrail.envs.webshop.reward import normalize
 
 MAX_RESULTS = 50
 

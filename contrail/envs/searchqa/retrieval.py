@@ -26,7 +26,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from contrail.envs.searchqa_data import Passage
+from contrail.envs.searchqa.data import Passage
 from contrail import paths
 
 RETRIEVERS = ("bm25", "dense")

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from contrail.envs.searchqa_data import Hop, Passage, Question
+from contrail.envs.searchqa.data import Hop, Passage, Question
 
 # How many entities of each kind the world holds (about 2,900 passages).
 COUNTS = {"country": 30, "city": 240, "person": 1500, "organisation": 400, "work": 700}

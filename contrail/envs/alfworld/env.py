@@ -2,9 +2,9 @@
 
 Games are alfworld's own TextWorld games (``tw-pddl``: its PDDL domain, its
 grammar, a PDDL problem) played through textworld's PDDL engine behind
-alfworld's wrappers (see ``alfworld_engine``). The game files are a download
+alfworld's wrappers (see ``engine``). The game files are a download
 that cannot be had here, so by default they are generated from the tables the
-package ships (see ``alfworld_games``) and written once to a cache directory;
+package ships (see ``games``) and written once to a cache directory;
 real ``game.tw-pddl`` files load through the same class (``game_files=`` or
 ``game_dir=``).
 
@@ -28,8 +28,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from contrail.envs import alfworld_games as games
-from contrail.envs.alfworld_expert import World, next_move, parse_goal
+from contrail.envs.alfworld import games
+from contrail.envs.alfworld.expert import World, next_move, parse_goal
 from contrail.envs.base import Env, Step, Task, register
 from contrail.envs.parsing import last_action
 
@@ -226,7 +226,7 @@ def _require_engine() -> None:
 
 
 @register("alfworld")
-class AlfWorld(Env):
+class ALFWorldEnv(Env):
     """ALFWorld's six household task types on the real engine.
 
     Options: ``game_files`` (``{"train": [...], "test": [...]}`` of real
@@ -244,22 +244,18 @@ class AlfWorld(Env):
         self,
         max_turns: int | None = None,
         game_files: Mapping[str, Sequence[str]] | Sequence[str] | None = None,
-        game_dir: str | None = None,
-        cache_dir: str | None = None,
+        game_dir: str | Path | None = None,
+        cache_dir: str | Path | None = None,
     ) -> None:
         super().__init__(max_turns)
-        _require_engine()
         if game_files is not None and not isinstance(game_files, Mapping):
             game_files = {"train": [], "test": list(game_files)}  # real games to evaluate on
         frozen = None if game_files is None else tuple((s, tuple(map(str, p))) for s, p in sorted(game_files.items()))
         self._catalogue = _catalogue(frozen, str(game_dir) if game_dir else None, str(cache_dir) if cache_dir else None)
         self._engine = None
         self._release = None
-        self._task: Task | None = None
         self._state = None
         self._goal = None
-        self._done = False
-        self._turn = 0
         self._error: str | None = None
 
     # --- the conversation -------------------------------------------------
@@ -281,30 +277,26 @@ class AlfWorld(Env):
         return "easy" if self.task_type(task) in games.EASY_TYPES else "hard"
 
     # --- episodes -------------------------------------------------------------
-    def reset(self, task: Task) -> str:
+    def on_reset(self, task: Task) -> str:
         self.close()
-        self._task, self._done, self._turn, self._error = task, False, 0, None
+        self._error = None
         entry = self._catalogue.entry(task)
+        _require_engine()  # the engine is imported here, never to build the env or list its tasks
         self._borrow_engine()
         try:
             self._engine.load(entry.path)
             self._state = self._engine.reset()
             self._goal = parse_goal(self._engine.game["pddl_problem"])
         except (Exception, SystemExit) as error:  # fast-downward exits on a bad problem
-            return self._fail_at_reset(error)
+            return self._fail_at_reset(task, error)
         return first_observation(self._state.feedback, self._state["admissible_commands"])
 
-    def step(self, text: str) -> Step:
-        if self._task is None:
-            raise RuntimeError("step() before reset()")
-        if self._done:
-            raise RuntimeError("step() after the episode ended; call reset()")
-        self._turn += 1
+    def on_step(self, text: str) -> Step:
         if self._error is not None:
             return self._failed(self._error)
         command = self._admissible(last_action(text))
         if command is None:
-            return Step(NOTHING_HAPPENED, reward=0.0, done=False, valid=False)
+            return Step(observation=NOTHING_HAPPENED, valid=False)
         try:
             self._state, _, _ = self._engine.step(command)
         except (Exception, SystemExit) as error:  # an engine failure fails this episode, not the run
@@ -313,9 +305,8 @@ class AlfWorld(Env):
             return self._failed(f"{type(error).__name__}: {error}")
         won = bool(self._state["won"])
         if won:
-            self._done = True
             self.close()
-        return Step(feedback(self._state.feedback), reward=1.0 if won else 0.0, done=won, success=won)
+        return Step(observation=feedback(self._state.feedback), reward=1.0 if won else 0.0, done=won, success=won)
 
     def _admissible(self, action: str | None) -> str | None:
         """The engine command ``action`` names, in whichever put/move grammar the game's own grammar uses."""
@@ -327,17 +318,20 @@ class AlfWorld(Env):
         return next((form for form in (command, to_agentgym(command)) if form in admissible), None)
 
     def expert(self) -> str:
-        if self._task is None or self._done or self._error is not None:
-            raise RuntimeError("expert() needs a live episode; call reset()")
+        self._require_game("expert()")
         move = next_move(World.from_facts(self._state["facts"]), self._goal)
-        rng = random.Random(f"{self._task.split}:{self._task.id}:{self._turn}")
+        rng = random.Random(f"{self.task.split}:{self.task.id}:{self.turns}")
         return f"Thought: {_thought(move, rng)}\nAction: {to_agentgym(move.command)}"
 
     def random_action(self, rng: random.Random) -> str:
-        if self._task is None or self._done or self._error is not None:
-            raise RuntimeError("random_action() needs a live episode; call reset()")
+        self._require_game("random_action()")
         command = rng.choice(self._state["admissible_commands"])
         return f"Thought: I will try something.\nAction: {to_agentgym(command)}"
+
+    def _require_game(self, what: str) -> None:
+        self.require_episode(what)
+        if self._error is not None:
+            raise RuntimeError(f"alfworld: {what} needs a running game; this one failed to start ({self._error})")
 
     def close(self) -> None:
         """Give the engine back to the pool (an episode that ended holds none)."""
@@ -347,7 +341,7 @@ class AlfWorld(Env):
 
     # --- engine lending -------------------------------------------------------
     def _borrow_engine(self) -> None:
-        from contrail.envs.alfworld_engine import ENGINES
+        from contrail.envs.alfworld.engine import ENGINES
 
         self._engine = ENGINES.acquire()
         # Returned when the episode ends, on close(), or when this object is collected.
@@ -359,12 +353,11 @@ class AlfWorld(Env):
             self._release.detach()
         self._engine = self._release = None
 
-    def _fail_at_reset(self, error: BaseException) -> str:
-        logger.warning("alfworld engine failed to start task %s: %s", self._task, error)
+    def _fail_at_reset(self, task: Task, error: BaseException) -> str:
+        logger.warning("alfworld engine failed to start task %s: %s", task, error)
         self._discard_engine()
         self._error = f"{type(error).__name__}: {error}"
         return f"The game could not be started ({self._error})."
 
     def _failed(self, error: str) -> Step:
-        self._done = True
-        return Step(NOTHING_HAPPENED, reward=0.0, done=True, valid=True, info={"error": error})
+        return Step(observation=NOTHING_HAPPENED, done=True, info={"error": error})

@@ -10,8 +10,8 @@ import pytest
 from contrail.envs import make
 from contrail.envs.base import Task
 from contrail.envs.parsing import last_action
-from contrail.envs.textcraft import TextCraftEnv
-from contrail.envs.textcraft_recipes import item_id, load_recipe_book, plan_actions
+from contrail.envs.textcraft.env import TextCraftEnv
+from contrail.envs.textcraft.recipes import item_id, load_recipe_book, plan_actions
 
 CRAFTING_TABLE = 183  # depth 2: 4 planks (a tag) <- 1 logs
 OAK_PLANKS = 70  # depth 1
