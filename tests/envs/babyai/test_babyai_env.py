@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from contrail.envs import Step, Task, make
-from contrail.envs.babyai import (
+from contrail.envs import EpisodeOver, Step, Task, make
+from contrail.envs.babyai import BabyAIEnv
+from contrail.envs.babyai.actions import NOT_RECOGNIZED as NOT_RECOGNIZED_MESSAGE
+from contrail.envs.babyai.levels import (
     LEVELS,
-    NOT_RECOGNIZED_MESSAGE,
     TRAIN_SEED_START,
-    BabyAIEnv,
     level_difficulty,
     level_number,
     level_seed,
@@ -133,6 +133,12 @@ def test_malformed_output_returns_the_error_observation(env, output):
     assert env.step("Action: turn left").valid  # the episode goes on
 
 
+def test_actions_are_read_as_agentgym_reads_them(env):
+    env.reset(task(0))
+    result = env.step("Thought:\nThe ball.\n\nAction:\n**Go to  red ball 1**.")
+    assert result.valid and result.info["action"] == "go to red ball 1"
+
+
 def test_unknown_action_gets_agentgyms_message(env):
     env.reset(task(2))
     assert env.step("Action: fly").observation.startswith(NOT_RECOGNIZED_MESSAGE)
@@ -151,10 +157,59 @@ def test_blocked_move_gets_a_specific_message(env):
 def test_step_before_reset_or_after_done_raises(env):
     with pytest.raises(RuntimeError, match="reset"):
         env.step("Action: turn left")
+    with pytest.raises(RuntimeError, match="reset"):
+        env.expert()
     result = play_expert(env, 0)
     assert result.done
-    with pytest.raises(RuntimeError, match="over"):
+    with pytest.raises(EpisodeOver):
         env.step("Action: turn left")
+    with pytest.raises(EpisodeOver):
+        env.expert()
+
+
+def test_the_turn_limit_ends_the_episode():
+    env = make("babyai", max_turns=2)
+    env.reset(task(1))
+    assert not env.step("Action: turn left").done
+    last = env.step("Action: turn left")
+    assert last.done and not last.success and last.info["turn_limit"]
+
+
+def test_options_are_declared_and_checked():
+    with pytest.raises(ValueError, match="unknown option 'bogus' for babyai; valid: max_turns, test_seeds"):
+        make("babyai", bogus=1)
+    with pytest.raises(ValueError, match="option test_seeds of babyai: expected int"):
+        make("babyai", test_seeds="ten")
+    with pytest.raises(ValueError, match="test_seeds of babyai"):
+        make("babyai", test_seeds=0)
+
+
+def test_two_actions_in_one_output_get_agentgyms_message(env):
+    env.reset(task(2))
+    result = env.step("Action: turn left\nAction: turn right")
+    assert not result.valid and result.observation.startswith("Error: Only one 'Action' is allowed per response.")
+
+
+def test_go_to_what_is_already_faced_changes_nothing(env):
+    env.reset(task(6))  # GoToObjMazeS7 seed 0
+    for action in ("turn left", "turn right", "move forward", "turn right"):
+        env.step(f"Action: {action}")
+    first = env.step("Action: go to green box 1")
+    assert first.valid and first.info["primitive_steps"] > 4
+    again = env.step("Action: go to green box 1")
+    assert again.valid and again.observation.startswith("No change in state.\nAvailable actions: ")
+    assert again.info["primitive_steps"] == first.info["primitive_steps"]
+
+
+def test_no_action_opens_a_box_so_key_in_box_is_never_a_test_task():
+    """AgentGym offers "toggle" only for doors: a KeyInBox key stays in its box."""
+    env = make("babyai", test_seeds=1)
+    env.reset(task(65))  # KeyInBox, seed 1
+    boxes = [a for a in listed_actions(env.step("Action: check available actions").observation) if "box" in a]
+    if boxes:
+        go = next(a for a in boxes if a.startswith("go to "))
+        assert "toggle" not in listed_actions(env.step(f"Action: {go}").observation)
+    assert all(level_number(t.id) != LEVELS.index("KeyInBox") + 1 for t in env.tasks("test"))
 
 
 def test_reset_rejects_foreign_or_mislabelled_tasks(env):
@@ -206,7 +261,8 @@ def test_unknown_split_or_difficulty_is_a_clear_error(env):
         11,  # Open
         21,  # PutNextLocalS6N4
         22,  # PutNextS7N4Carrying: starts carrying the object to move
-        25,  # KeyInBox: the key is hidden in a box
+        23,  # Unlock: fetch the key, open the locked door
+        31,  # KeyCorridorS6R3
         79,  # BossLevelNoUnlock
     ],
 )
