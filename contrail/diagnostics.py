@@ -123,7 +123,8 @@ def model_turns(record: Mapping[str, Any]) -> tuple[list[Turn], list[str]]:
     messages = [m for m in record.get("messages") or [] if isinstance(m, Mapping)]
     assistant = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     count = record.get("turns")
-    chosen = assistant[len(assistant) - count:] if isinstance(count, int) and 0 <= count <= len(assistant) else assistant[1:]
+    known = isinstance(count, int) and 0 <= count <= len(assistant)
+    chosen = assistant[len(assistant) - count:] if known else assistant[1:]
     if not chosen:
         return [], []
     first_user = max((i for i in range(chosen[0]) if messages[i].get("role") == "user"), default=None)
@@ -375,7 +376,7 @@ def _buy_without_options(record, turns, observations) -> bool:
 
 
 def _singular(text: str) -> str:
-    return text[:-1] if text.endswith("s") else text
+    return text.removesuffix("s")
 
 
 def _textcraft_items(action: str) -> list[str]:

@@ -94,7 +94,8 @@ def policy_kl(model_p, model_q, sequences: Sequence[Sequence[int]] | torch.Tenso
 
 @torch.no_grad()
 def kl_from_logprobs(model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
-                     masks: Sequence[Sequence[int]] | torch.Tensor, logprobs_p: Sequence[Sequence[float]] | torch.Tensor,
+                     masks: Sequence[Sequence[int]] | torch.Tensor,
+                     logprobs_p: Sequence[Sequence[float]] | torch.Tensor,
                      *, batch_size: int = 8, pad_id: int = 0) -> KLEstimate:
     """`policy_kl` when ``p`` is known only through ``logprobs_p[i][t] = log p(sequences[i][t])`` (where masked).
 
@@ -170,7 +171,9 @@ class _Totals:
 
     def estimate(self) -> KLEstimate:
         tokens = int(sum(self.counts))
-        mean = lambda sums: sum(sums) / tokens if tokens else math.nan  # noqa: E731
+        def mean(sums: list[float]) -> float:
+            return sum(sums) / tokens if tokens else math.nan
+
         exact = mean(self.exact) if self.has_exact else math.nan
         return KLEstimate(mean(self.k1), mean(self.k2), mean(self.k3), exact, self._se(self.k1), self._se(self.k3),
                           tokens, sum(1 for n in self.counts if n))

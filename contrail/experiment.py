@@ -16,8 +16,9 @@ An experiment file is a mapping of these sections::
 ``stream`` and ``strategy`` accept a preset name, a mapping, or a mapping with
 ``preset: NAME`` plus fields that override the preset's (presets are found
 along a search path, see `contrail.presets`); ``strategy`` also accepts a
-registered strategy's name or ``"pkg.module:Class"``. ``model`` accepts a bare
-model name. Overrides are dotted ``key=value`` pairs whose values are YAML
+registered strategy's name (built in, or from the ``contrail.strategies``
+entry-point group) or ``"pkg.module:Class"``. ``model`` accepts a bare model
+name. Overrides are dotted ``key=value`` pairs whose values are YAML
 (``grpo.lr=1e-6``, ``strategy=replay``, ``stream.train=[babyai:easy,textcraft:easy]``).
 
 The file is read into plain containers, presets are expanded and overrides
@@ -29,7 +30,8 @@ options, the strategy and its options, the device). Every mistake raises
 `ConfigError` naming the file (or the override) and the key::
 
     exp.yaml: rollout.top_p: must be in (0, 1], got 1.5
-    override 'grpo.lr=nan': grpo.lr: must be a finite number > 0, got nan
+    override 'grpo.lr=nan': grpo.lr: must be a finite number, got nan
+    exp.yaml: stream.env_options.textcraft.bogus: unknown option 'bogus' for textcraft; valid: max_turns, ...
 
 >>> exp = load_experiment("experiments/quickstart.yaml", ["grpo.lr=1e-5"])
 >>> Experiment.from_yaml(exp.to_yaml()) == exp
@@ -44,6 +46,7 @@ import io
 import itertools
 import math
 import re
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +116,7 @@ class WarmStart:
     def __post_init__(self) -> None:
         if not self.envs:
             raise ValueError("envs must name at least one environment spec (e.g. [babyai:easy])")
+        _specs(self, "envs")
         _choice(self, "precision", ("fp32", "bf16"))
         _at_least(self, 1, "episodes", "epochs", "max_episode_tokens", "batch_size")
         _finite_positive(self, "lr")
@@ -162,6 +166,7 @@ class StreamSpec:
     def __post_init__(self) -> None:
         if not self.train:
             raise ValueError("train must list at least one experience spec (e.g. [textcraft:easy])")
+        _specs(self, "train", "test")
         _at_least(self, 1, "steps_per_experience", "train_tasks", "test_tasks")
         check_seed(self.task_seed, "task_seed")
 
@@ -249,7 +254,7 @@ class Experiment:
                 raise ValueError(f"seeds must be distinct, got {self.seeds}")
         self.orders = _checked_orders(self.orders)
         try:
-            self.eval_rollout
+            self.eval.rollout_for(self.rollout)  # evaluation's settings are valid too
         except ValueError as error:
             raise ValueError(f"eval.{error}") from None
 
@@ -265,7 +270,7 @@ class Experiment:
     @classmethod
     def from_yaml(cls, source: str | Path) -> "Experiment":
         """An experiment from YAML text or a file (presets and interpolation allowed), checked."""
-        if isinstance(source, Path) or ("\n" not in source and Path(source).is_file()):
+        if isinstance(source, Path) or _names_a_file(source):
             return load_experiment(source)
         sources = _Sources("experiment YAML")
         tree = _parse_yaml(source, "experiment YAML")
@@ -282,6 +287,16 @@ class Experiment:
         return self
 
 
+def _names_a_file(text: str) -> bool:
+    """Whether ``text`` is a path to an existing file rather than YAML text."""
+    if "\n" in text:
+        return False
+    try:
+        return Path(text).is_file()
+    except (OSError, ValueError):  # a name too long for a path, a NUL byte: YAML text
+        return False
+
+
 def _checked_orders(orders: Any) -> Any:
     if orders is None or orders == "all":
         return orders
@@ -291,6 +306,14 @@ def _checked_orders(orders: Any) -> Any:
         if not isinstance(order, list) or not order or not all(isinstance(s, str) for s in order):
             raise ValueError(f"orders[{index}] must be a non-empty list of experience specs, got {order!r}")
     return [list(order) for order in orders]
+
+
+def _specs(obj: Any, *names: str) -> None:
+    """Every item of the lists ``names`` is an experience spec string (``env`` or ``env:difficulty``)."""
+    for name in names:
+        for index, spec in enumerate(getattr(obj, name)):
+            if not isinstance(spec, str) or not spec:
+                raise ValueError(f"{name}[{index}] must be an experience spec such as textcraft:easy, got {spec!r}")
 
 
 def _at_least(obj: Any, low: int, *names: str) -> None:
@@ -349,7 +372,8 @@ class _Sources:
 # --- loading ---------------------------------------------------------------------------------
 
 
-def load_experiment(path: str | Path, overrides: Sequence[str] = (), preset_dirs: Sequence[str | Path] = ()) -> Experiment:
+def load_experiment(path: str | Path, overrides: Sequence[str] = (),
+                    preset_dirs: Sequence[str | Path] = ()) -> Experiment:
     """Read an experiment file, expand presets, apply ``overrides``, validate; see the module docstring.
 
     ``preset_dirs`` are searched for presets before the folders beside the
@@ -385,7 +409,7 @@ def _from_tree(tree: Any, sources: _Sources, places: list[presets.PresetPlace],
         merged = OmegaConf.merge(OmegaConf.structured(Experiment), resolved)
     except OmegaConfBaseException as error:
         key = getattr(error, "full_key", None) or ""
-        raise sources.error(key, _first_line(error)) from None
+        raise sources.error(key, _type_problem(key, resolved) or _first_line(error)) from None
     experiment = _instantiate(merged, Experiment, "", sources)
     _check(experiment, sources.of)
     return experiment
@@ -563,6 +587,64 @@ def _field_error(message: str, cls: type, prefix: str, sources: _Sources) -> Con
     if match.group(2) == ": ":
         return sources.error(key, message[match.end():])
     return sources.error(key, message)  # "max_episode_tokens (64) must exceed ...": keep it whole
+
+
+_PATH_PART = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def _type_problem(key: str, tree: Any) -> str | None:
+    """``expected an integer, got 'abc'`` for a value at ``key`` that does not fit its field's type.
+
+    Worded from the field's annotation and the value itself, instead of
+    omegaconf's message (which names its own node classes); None when the key
+    cannot be followed (then omegaconf's message is shown).
+    """
+    hint: Any = Experiment
+    value = tree
+    for name, index in _PATH_PART.findall(key):
+        part: Any = int(index) if index else name
+        hint = _hint_of_part(hint, part)
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+        if hint is None:
+            return None
+    literals = [a for a in (hint, *typing.get_args(hint)) if typing.get_origin(a) is Literal]
+    if literals:
+        choices = [str(c) for a in literals for c in typing.get_args(a)]
+        return f"invalid value {value!r}; valid: {', '.join(choices)}"
+    return f"expected {_describe(hint)}, got {_show(value)}"
+
+
+def _hint_of_part(hint: Any, part: str | int) -> Any:
+    """The annotation one step below ``hint``: a dataclass field, a list item, a mapping value."""
+    inner = _dataclass_of(hint)
+    if inner is not None and isinstance(part, str):
+        return typing.get_type_hints(inner).get(part)
+    container = hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):  # X | None: follow X
+        container = next((a for a in typing.get_args(hint) if a is not type(None)), hint)
+    origin = typing.get_origin(container)
+    if origin is list and isinstance(part, int):
+        return typing.get_args(container)[0]
+    if origin is dict and isinstance(part, str):
+        return typing.get_args(container)[1]
+    return None
+
+
+def _describe(hint: Any) -> str:
+    """A person's words for an annotation: ``an integer or null``, ``a list of strings``."""
+    arms = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        text = " or ".join(_describe(a) for a in arms)
+        return f"{text} or null" if type(None) in typing.get_args(hint) else text
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return "a list"
+    if origin is dict or dataclasses.is_dataclass(hint):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
 def _show(value: Any) -> str:
@@ -832,7 +914,7 @@ def _describe_run(run: Experiment, number: int, total: int, cache: dict[str, Exp
     trained_at = stream.trained_at([stage.new for stage in stages])
     k = run.eval.k
     tests = [f"{e.name} {len(e.test_tasks)} tasks ({f'trained in stage {s}' if s is not None else 'held out'})"
-             for e, s in zip(stream.test, trained_at)]
+             for e, s in zip(stream.test, trained_at, strict=True)]
     episodes = (len(stages) + 1) * sum(len(e.test_tasks) for e in stream.test) * k
     lines.append(f"  test after stages 0..{len(stages)} with k={k}: " + "; ".join(tests))
     lines.append(f"  evaluation total: {episodes} episodes")

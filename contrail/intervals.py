@@ -81,7 +81,7 @@ class Interval:
         return asdict(self)
 
     @classmethod
-    def undefined(cls) -> "Interval":
+    def undefined(cls) -> Interval:
         return cls(math.nan, math.nan, math.nan, math.nan)
 
 
@@ -151,7 +151,7 @@ class TaskTable:
     sums: dict[str, np.ndarray]
 
     @classmethod
-    def from_records(cls, per_row: Sequence[Sequence[dict[str, Any]]]) -> "TaskTable":
+    def from_records(cls, per_row: Sequence[Sequence[dict[str, Any]]]) -> TaskTable:
         """``per_row[s]`` = the trajectory records of this experience at row ``s``."""
         tasks = sorted({task_key(r) for records in per_row for r in records})
         column = {key: i for i, key in enumerate(tasks)}
@@ -209,7 +209,7 @@ class PairedBootstrap:
 
     @classmethod
     def from_records(cls, records_per_row: Sequence[Iterable[dict[str, Any]]], test: Sequence[str],
-                     **options: Any) -> "PairedBootstrap":
+                     **options: Any) -> PairedBootstrap:
         """From every row's trajectory records (``records_per_row[s]``) and the test experience names."""
         grouped = [group_by_experience(records, test) for records in records_per_row]
         tables = [TaskTable.from_records([rows[name] for rows in grouped]) for name in test]

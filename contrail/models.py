@@ -240,9 +240,13 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str | No
     """Load ``(model, tokenizer)`` for a HF id, a local path, a checkpoint or the embedded alias.
 
     A directory holding a LoRA adapter (``adapter_config.json``) is loaded on
-    its base model with peft.
+    its base model with peft. ``device`` (``auto``, ``cpu``, ``cuda[:N]``,
+    ``mps``) is checked first: one this machine lacks is a `DeviceError`, not
+    torch's assertion; ``None`` leaves the model where it loads (the CPU).
     """
     from transformers import AutoModelForCausalLM
+
+    device = resolve_device(device) if device is not None else None
 
     source = resolve(name)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

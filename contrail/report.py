@@ -179,7 +179,8 @@ class Failures:
 
     counts: list[list[dict[str, int]]]           # [row][column] -> tag -> episodes
     episodes: list[list[int]]                    # [row][column] -> episodes read
-    examples: dict[str, list[tuple[int, int, dict[str, Any]]]] = field(default_factory=dict)  # tag -> (row, line, record)
+    # tag -> [(row, line in the row's trajectories file, record)]
+    examples: dict[str, list[tuple[int, int, dict[str, Any]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -237,7 +238,8 @@ def _matches_rows(boot: PairedBootstrap, data: RunData) -> bool:
 
 
 def failure_counts(data: RunData, records: list[list[dict[str, Any]]] | None = None) -> Failures:
-    """Failure tags (`contrail.diagnostics`) counted per cell, with up to 3 example episodes per tag.
+    """Failure tags (`contrail.diagnostics`) counted per cell, with up to 3 example episodes per tag
+    (one per cell, the latest rows first).
 
     A turn limit in ``plan.json``'s ``turn_limits`` (per test experience)
     overrides the environments' defaults for ``out_of_turns``.
@@ -246,7 +248,7 @@ def failure_counts(data: RunData, records: list[list[dict[str, Any]]] | None = N
     limits = (data.plan or {}).get("turn_limits") or {}
     counts = [[dict.fromkeys(diagnostics.TAGS, 0) for _ in data.test] for _ in records or []]
     episodes = [[0 for _ in data.test] for _ in records or []]
-    examples: dict[str, list[tuple[int, int, dict[str, Any]]]] = {tag: [] for tag in diagnostics.TAGS}
+    first: dict[str, dict[tuple[int, int], tuple[int, int, dict[str, Any]]]] = {tag: {} for tag in diagnostics.TAGS}
     for row, row_records in enumerate(records or []):
         line_of = {id(r): line for line, r in enumerate(row_records, start=1)}
         grouped = group_by_experience(row_records, data.test)
@@ -255,8 +257,10 @@ def failure_counts(data: RunData, records: list[list[dict[str, Any]]] | None = N
                 episodes[row][column] += 1
                 for tag in diagnostics.tags(record, turn_limit=limits.get(name)):
                     counts[row][column][tag] += 1
-                    if len(examples[tag]) < _EXAMPLES:
-                        examples[tag].append((row, line_of[id(record)], record))
+                    first[tag].setdefault((row, column), (row, line_of[id(record)], record))
+    # One example per cell, the latest rows first: the final model's failures matter most.
+    examples = {tag: [cells[key] for key in sorted(cells, key=lambda rc: (-rc[0], rc[1]))[:_EXAMPLES]]
+                for tag, cells in first.items()}
     return Failures(counts, episodes, examples)
 
 
@@ -323,7 +327,8 @@ def _markdown(analysis: Analysis) -> str:
     if warm:
         lines.append(
             f"- warm-start: behaviour cloning on expert episodes of {', '.join(warm.get('envs', []))} "
-            f"({warm.get('episodes', '?')} episodes in all, {warm.get('epochs', '?')} epochs, lr {warm.get('lr', '?')}) "
+            f"({warm.get('episodes', '?')} episodes in all, {warm.get('epochs', '?')} epochs, "
+            f"lr {warm.get('lr', '?')}) "
             "before stage 1; row 0 is the warm-started model"
         )
     status = "finished" if RunDir(data.path).finished() else "in progress or interrupted"
@@ -344,8 +349,9 @@ def _markdown(analysis: Analysis) -> str:
     lines += _failures_section(analysis)
     lines += _turnover_section(analysis)
     lines += _drift_section(data)
-    lines += ["## Files", "", "`matrix.csv` (every measure, with se and 95% interval columns), `metrics.csv`, "
-              "`heatmap.png` (avg@k), `success_by_stage.png`, `trajectories/stage-XX.jsonl` (every episode).", ""]
+    files = ("`matrix.csv` (every measure, with se and 95% interval columns), `metrics.csv`, `heatmap.png` "
+             "(avg@k), `success_by_stage.png`, `trajectories/stage-XX.jsonl` (every episode).")
+    lines += ["## Files", "", files, ""]
     return "\n".join(lines)
 
 
@@ -389,8 +395,8 @@ def _metrics_section(analysis: Analysis) -> list[str]:
     if view is None:
         return lines + ["No stage recorded yet.", ""]
     if data.completed < data.planned_stages:
-        lines += [f"Partial run: over stages 0..{data.completed}, the experiences trained so far "
-                  "and the held-out ones.", ""]
+        partial = f"Partial run: over stages 0..{data.completed}, the experiences trained so far and the held-out ones."
+        lines += [partial, ""]
     summary = metrics.summarize(*view)
     intervals = analysis.metric_intervals or {}
     lines += ["| metric | value | se | 95% interval | definition |", "|---|---|---|---|---|"]
@@ -399,8 +405,9 @@ def _metrics_section(analysis: Analysis) -> list[str]:
         se = _fmt(interval.se) if interval else "–"
         ci = f"[{_fmt(interval.low)}, {_fmt(interval.high)}]" if interval and not math.isnan(interval.low) else "–"
         lines.append(f"| {title} | {_fmt(summary[key])} | {se} | {ci} | {definition} |")
-    lines += ["", "R[s, j]: avg@k of experience j after stage s (row 0: before training); s_j: the stage where j is "
-              "first trained; S: the last stage; '–': undefined (an empty set) or no interval.", ""]
+    legend = ("R[s, j]: avg@k of experience j after stage s (row 0: before training); s_j: the stage where j is "
+              "first trained; S: the last stage; '–': undefined (an empty set) or no interval.")
+    lines += ["", legend, ""]
     lines += _deltas_by_row(analysis, *view)
     R, trained_at = view
     names = [data.test[j] for j in data.metric_columns()]
@@ -428,8 +435,9 @@ def _deltas_by_row(analysis: Analysis, R: np.ndarray, trained_at: list[int | Non
             mark = "*" if interval is not None and interval.significant else ""
             cells.append(_fmt_interval(interval, values[key][i]) + mark)
         lines.append(f"| {i} {_stage_name(data, i)} | " + " | ".join(cells) + " |")
-    return lines + ["", "Held-in after stage s: the experiences trained by then (s_j ≤ s); `*`: the 95% paired "
-                    "interval excludes 0.", ""]
+    legend = ("Held-in after stage s: the experiences trained by then (s_j ≤ s); "
+              "`*`: the 95% paired interval excludes 0.")
+    return lines + ["", legend, ""]
 
 
 def _failures_section(analysis: Analysis) -> list[str]:
@@ -476,8 +484,8 @@ def _turnover_section(analysis: Analysis) -> list[str]:
     if table is None or len(table) < 2:
         return []
     lines = ["## Correct-set turnover", "",
-             "Test tasks solved (at least half of their samples succeed) after the previous stage and failed after "
-             "this one (lost), and the reverse (gained).", "",
+             ("Test tasks solved (at least half of their samples succeed) after the previous stage and failed after "
+              "this one (lost), and the reverse (gained)."), "",
              "| after stage | " + " | ".join(f"{n} lost / gained" for n in data.test) + " |",
              "|---" * (len(data.test) + 1) + "|"]
     for i in range(1, len(table)):
@@ -491,8 +499,8 @@ def _drift_section(data: RunData) -> list[str]:
     if not rows:
         return []
     lines = ["## Forgetting beyond success", "",
-             "KL(start model ‖ policy) per token on tokens the start model sampled on each experience's own prompts "
-             "(k3 estimator ± its standard error), and the share of parameters changed since the previous stage.", "",
+             ("KL(start model ‖ policy) per token on tokens the start model sampled on each experience's own prompts "
+              "(k3 estimator ± its standard error), and the share of parameters changed since the previous stage."), "",
              "| after stage | " + " | ".join(f"KL {n}" for n in data.test) + " | parameters changed |",
              "|---" * (len(data.test) + 2) + "|"]
     for i, entry in rows:

@@ -34,7 +34,8 @@ def act(action, thought="I think so."):
     return f"Thought:\n{thought}\n\nAction:\n{action}"
 
 
-BABY_MENU = 'Available actions: ["turn left", "turn right", "move forward", "go to red ball 1", "check available actions"]'
+BABY_MENU = ('Available actions: ["turn left", "turn right", "move forward", "go to red ball 1", '
+             '"check available actions"]')
 BABY_OBS = f"There is a red ball 1 2 steps in front of you. You are not carrying anything.\n{BABY_MENU}"
 BABY_ERROR = f"The action is not recognized. Please check valid actions.\n{BABY_MENU}"
 
@@ -91,7 +92,8 @@ def test_loop_needs_the_same_action_and_an_unchanged_observation():
 
 
 def test_searchqa_answers_without_search_and_unsupported():
-    guess = convo("searchqa", "Question: Who founded Vell?", [("<think>I know</think><answer> Ada Moro </answer>", None)])
+    guess = convo("searchqa", "Question: Who founded Vell?",
+                  [("<think>I know</think><answer> Ada Moro </answer>", None)])
     assert tags(guess) == ["answer_without_search"]
     info = "<information>Doc 1(Title: Vell) Vell was founded by Ada Moro in 1820.\n</information>"
     supported = convo("searchqa", "Question: Who founded Vell?",
@@ -102,10 +104,13 @@ def test_searchqa_answers_without_search_and_unsupported():
     assert tags(unsupported) == ["unsupported_answer"]
 
 
-SEARCH = "WebShop [SEP] Instruction: [SEP] i need a blue mug with handle, and size: large, and price lower than 30.00 dollars [SEP] Search"
-HEAD = "Instruction: [SEP] i need a blue mug with handle, and size: large, and price lower than 30.00 dollars [SEP] Back to Search"
-RESULTS = f"{HEAD} [SEP] Page 1 (Total results: 2) [SEP] B01 [SEP] Blue mug [SEP] $12.00 [SEP] B02 [SEP] Red mug [SEP] $9.00"
-ITEM = f"{HEAD} [SEP] < Prev [SEP] size [SEP] small [SEP] large [SEP] Blue mug [SEP] Price: $12.00 [SEP] Rating: N.A. [SEP] Description [SEP] Features [SEP] Reviews [SEP] Buy Now"
+GOAL = "i need a blue mug with handle, and size: large, and price lower than 30.00 dollars"
+SEARCH = f"WebShop [SEP] Instruction: [SEP] {GOAL} [SEP] Search"
+HEAD = f"Instruction: [SEP] {GOAL} [SEP] Back to Search"
+RESULTS = (f"{HEAD} [SEP] Page 1 (Total results: 2) [SEP] B01 [SEP] Blue mug [SEP] $12.00 "
+           "[SEP] B02 [SEP] Red mug [SEP] $9.00")
+ITEM = (f"{HEAD} [SEP] < Prev [SEP] size [SEP] small [SEP] large [SEP] Blue mug [SEP] Price: $12.00 [SEP] "
+        "Rating: N.A. [SEP] Description [SEP] Features [SEP] Reviews [SEP] Buy Now")
 
 
 def test_webshop_buy_without_the_goals_options():
@@ -138,7 +143,8 @@ def test_fabrication_per_environment():
     assert "fabrication" not in tags(seen)
     recipes = "Crafting commands:\ncraft 4 oak planks using 1 oak logs\n\nGoal: craft oak planks."
     # the instruction's example item (lapis lazuli) is no observation
-    assert "fabrication" in tags(convo("textcraft", recipes, [(act("get 1 lapis lazuli"), "Could not find lapis lazuli")]))
+    example = convo("textcraft", recipes, [(act("get 1 lapis lazuli"), "Could not find lapis lazuli")])
+    assert "fabrication" in tags(example)
     fine = convo("textcraft", recipes, [(act("get 1 oak log"), "Got 1 oak log"),
                                         (act("craft 4 oak planks using 1 oak logs"), None)], success=True)
     assert "fabrication" not in tags(fine)
@@ -179,3 +185,53 @@ def test_count_tags_lists_every_tag():
 def test_malformed_records_do_not_raise():
     assert tags({"task": {"env": "babyai"}, "messages": []}) == []
     assert tags({"task": {"env": "webshop"}, "turns": 1, "messages": [{"role": "assistant", "content": "x"}]}) == []
+
+
+# --- the rules against the real environments' own validity ---------------------------------
+
+GARBAGE = ["Thought: hmm\nAction: fly to the moon", "I do not know.", "Action: go to purple unicorn 9",
+           "Action:\nclick[Nonexistent Thing]", "<answer> </answer>", "Action: get 3 unobtainium"]
+
+
+def _play(env, task, rng, mode, limit=10):
+    """One episode recorded as the rollout records it, with the environment's Step.valid per turn."""
+    messages = env.prompt_messages() + [{"role": "user", "content": env.reset(task)}]
+    truth, last = [], None
+    while True:
+        r = rng.random()
+        if mode == "expert" or (mode == "mix" and r < 0.4):
+            text = env.expert()
+        elif mode == "random" or r < 0.75:
+            text = env.random_action(rng)
+        else:
+            text = last if r < 0.85 and last else rng.choice(GARBAGE)
+        last = text
+        messages.append({"role": "assistant", "content": text})
+        step = env.step(text)
+        truth.append(step.valid)
+        if step.done or len(truth) >= limit:
+            break
+        messages.append({"role": "user", "content": step.observation})
+    record = {"task": task.to_dict(), "turns": len(truth), "invalid_actions": truth.count(False),
+              "success": step.success, "reward": step.reward, "truncated": False, "error": None, "messages": messages}
+    return record, truth
+
+
+@pytest.mark.parametrize("name", ["babyai", "textcraft", "webshop", "searchqa"])
+def test_validity_rules_agree_with_the_environments(name):
+    import random
+
+    from contrail import envs
+
+    env = envs.make(name)
+    rng = random.Random(0)
+    try:
+        for mode in ("mix", "expert"):
+            for task in env.tasks("test")[:8]:
+                record, truth = _play(env, task, rng, mode)
+                assert turn_validity(record) == truth, (mode, task)
+                if mode == "expert":  # the expert neither fabricates nor repeats invalid actions
+                    assert not {"fabrication", "invalid_streak", "answer_without_search", "unsupported_answer",
+                                "buy_without_options"} & set(tags(record, turn_limit=10)), (task, tags(record))
+    finally:
+        env.close()

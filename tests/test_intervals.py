@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from contrail import metrics
-from contrail.intervals import Interval, PairedBootstrap, TaskTable, group_by_experience, seed_interval
+from contrail.intervals import (
+    Interval,
+    PairedBootstrap,
+    TaskTable,
+    group_by_experience,
+    seed_interval,
+)
 
 
 def rec(task_id, success, env="a", difficulty="easy", reward=None, turns=1, invalid=0, **extra):
@@ -59,7 +65,8 @@ def test_change_from_row_zero_is_paired():
 
 
 def test_rates_are_ratios_of_sums_like_the_evaluator():
-    # Task A: 2 episodes x 2 invalid turns; task B: 2 episodes x 1 valid turn -> 4/6 (a mean of task rates would be 0.5).
+    # Task A: 2 episodes x 2 invalid turns; task B: 2 episodes x 1 valid turn -> 4/6
+    # (a mean of the task rates would be 0.5).
     records = [rec(0, False, turns=2, invalid=2), rec(0, False, turns=2, invalid=2),
                rec(1, True, turns=1, invalid=0), rec(1, True, turns=1, invalid=0)]
     b = boot([records])
@@ -81,7 +88,8 @@ def test_metric_interval_uses_one_resample_for_all_rows():
     assert bwt.estimate == -0.25 and (bwt.low, bwt.high) == (-0.5, 0.0)
     assert bwt.se == pytest.approx(math.sqrt(1 / 32), abs=0.01)
     both = b.statistics(lambda R: metrics.deltas_by_row(R, [1, 2]))
-    assert [i.estimate for i in both["delta_overall"]] == pytest.approx([0.0, 0.5, 0.75])  # R: a 0, 1, 0.75; b 0.25, 0.25, 1
+    # R: a 0, 1, 0.75; b 0.25, 0.25, 1
+    assert [i.estimate for i in both["delta_overall"]] == pytest.approx([0.0, 0.5, 0.75])
     assert both["delta_held_in"][0].estimate != both["delta_held_in"][0].estimate  # nan at row 0
     # restricted to column a only (a partial run): held-in = a's change
     only_a = b.metric(metrics.delta_held_in, [1], columns=[0])

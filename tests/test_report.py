@@ -34,7 +34,8 @@ def make_run(path, matrix=R, seed=0, label=None, stages=2, finished=True, warm=T
         plan.update(label=label or "sequential: a:easy → b:easy", seed=seed)
     (path / "plan.json").write_text(json.dumps(plan))
     for s, values in enumerate(matrix[: stages + 1]):
-        run.append_row({"stage": s, "name": "warm-start" if s == 0 and warm else ("untouched" if s == 0 else TEST[s - 1]),
+        name = "warm-start" if s == 0 and warm else ("untouched" if s == 0 else TEST[s - 1])
+        run.append_row({"stage": s, "name": name,
                         "trained": [] if s == 0 else [TEST[s - 1]],
                         "results": {n: ev(v) for n, v in zip(TEST, values)}, "train": {}, "wall_seconds": 90.0})
     if finished:
@@ -141,7 +142,8 @@ def make_run_with_trajectories(path, seed=0):
     test = ["babyai:easy", "textcraft:easy"]
     run = RunDir(path)
     run.start({"name": "t"})
-    plan = {"test": test, "trained_at": [1, None], "start_model": "tiny", "warmstart": None, "label": "seq", "seed": seed,
+    plan = {"test": test, "trained_at": [1, None], "start_model": "tiny", "warmstart": None, "label": "seq",
+            "seed": seed,
             "stages": [{"index": 1, "name": "babyai:easy", "new": ["babyai:easy"], "steps": 2,
                         "weights": {"babyai:easy": 1.0}, "seed": 3}]}
     (path / "plan.json").write_text(json.dumps(plan))
@@ -151,8 +153,7 @@ def make_run_with_trajectories(path, seed=0):
                  "textcraft:easy": [episode("textcraft", t, t % 2 == 0, s) for t in range(4) for s in range(2)]}
         with open(run.trajectories_path(stage), "w") as f:
             for name in test:
-                for traj in trajs[name]:
-                    f.write(json.dumps(traj.to_record()) + "\n")
+                f.writelines(json.dumps(traj.to_record()) + "\n" for traj in trajs[name])
         run.append_row({"stage": stage, "name": "untouched" if stage == 0 else "babyai:easy",
                         "trained": [] if stage == 0 else ["babyai:easy"],
                         "results": {n: summarize(trajs[n], 2).to_dict() for n in test}, "train": {},
@@ -174,7 +175,8 @@ def test_report_with_intervals_failures_and_turnover(tmp_path):
     assert "| 1 babyai:easy | 1.000 ± 0.000* | 0.000 ± 0.000 | 0.500 ± 0.000* |" in md
     # the invalid-action streaks of row 0, counted per cell and linked
     assert "| 0 untouched | babyai:easy | 8 | 8 |" in md and "| 1 babyai:easy | babyai:easy | 8 | 0 |" in md
-    assert "[row 0, line 1](trajectories/stage-00.jsonl) (babyai task 0, sample 0)" in md
+    link = "[row 0, line 1](trajectories/stage-00.jsonl) (babyai task 0, sample 0)"
+    assert f"| invalid_streak | >= 3 invalid actions in a row | {link} |" in md
     assert "| 1 babyai:easy | 0 / 4 of 4 | 0 / 0 of 4 |" in md  # turnover: babyai gains 4 tasks
     with open(paths[1]) as f:
         rows = list(csv.reader(f))
