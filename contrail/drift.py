@@ -19,6 +19,13 @@ Three measures per stage, pure functions the runner stores in a row's
 - `turnover`: the test tasks solved at row ``s − 1`` and failed at row ``s``
   (lost) and the reverse (gained), from per-task success rates.
 
+Wiring in the runner: after row 0, `start_samples` keeps each test
+experience's sampled token ids, masks and log-probs (`save_samples` writes
+them as JSON, so a resumed run has them too); after each stage,
+`kl_to_start(model, samples)` gives the per-experience KL, and
+`parameter_change(previous_state, model.state_dict())` the share of moved
+parameters; `drift_row(...)` is the row's ``"drift"`` value.
+
 Shape of a row's ``"drift"`` entry (every key optional)::
 
     {"kl": {"babyai:easy": {"k1": .., "k2": .., "k3": .., "exact": .., "se_k1": .., "se_k3": .., "tokens": 812,
@@ -28,9 +35,11 @@ Shape of a row's ``"drift"`` entry (every key optional)::
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,11 +47,16 @@ import torch
 __all__ = [
     "KLEstimate",
     "ParameterChange",
+    "Samples",
     "Turnover",
     "drift_row",
     "kl_from_logprobs",
+    "kl_to_start",
+    "load_samples",
     "parameter_change",
     "policy_kl",
+    "save_samples",
+    "start_samples",
     "task_successes",
     "turnover",
 ]
@@ -115,6 +129,61 @@ def kl_from_logprobs(model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
         logq = logq_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         totals.add(logq - logp[:, 1:], scored, None)
     return totals.estimate()
+
+
+@dataclass
+class Samples:
+    """Token ids the start model sampled (``masks`` 1 where sampled) with its log-probs there."""
+
+    ids: list[list[int]]
+    masks: list[list[int]]
+    logprobs: list[list[float]]
+
+
+def start_samples(trajectories: Mapping[str, Sequence[Any]], *,
+                  per_experience: int | None = None) -> dict[str, Samples]:
+    """Per test experience, the ``ids``/``mask``/``logprobs`` of its row-0 `Trajectory` objects.
+
+    ``per_experience`` keeps the first episodes only (memory and time).
+    Episodes that sampled nothing (an environment that failed at reset) are left out.
+    """
+    out = {}
+    for name, episodes in trajectories.items():
+        kept = [t for t in episodes if any(t.mask)][:per_experience]
+        out[name] = Samples([list(t.ids) for t in kept], [list(t.mask) for t in kept],
+                            [list(t.logprobs) for t in kept])
+    return out
+
+
+def save_samples(path: str | Path, samples: Mapping[str, Samples]) -> None:
+    """Write samples as JSON (nothing loaded back runs code)."""
+    Path(path).write_text(json.dumps({name: asdict(s) for name, s in samples.items()}), encoding="utf-8")
+
+
+def load_samples(path: str | Path) -> dict[str, Samples]:
+    """Read what `save_samples` wrote."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    return {name: Samples(s["ids"], s["masks"], s["logprobs"]) for name, s in data.items()}
+
+
+def kl_to_start(model, samples: Mapping[str, Samples], *, batch_size: int = 8,
+                pad_id: int = 0) -> dict[str, KLEstimate]:
+    """``KL(start ‖ model)`` per experience on the start model's own samples (`kl_from_logprobs`).
+
+    The recorded log-probs are those of the start model's sampling
+    distribution, so this is the KL to the start model itself when the
+    evaluation samples at temperature 1 with top-p 1; otherwise it is the KL
+    from that tempered distribution (load the start model and use `policy_kl`).
+    """
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    try:
+        return {name: kl_from_logprobs(model, s.ids, s.masks, s.logprobs, batch_size=batch_size, pad_id=pad_id)
+                for name, s in samples.items() if s.ids}
+    finally:
+        if was_training:
+            model.train()
 
 
 def _device(model) -> torch.device:
