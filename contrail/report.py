@@ -203,8 +203,9 @@ class Analysis:
         return bool(self.bootstrap and row > 0 and self.bootstrap.change(measure, row, column).significant)
 
 
-def analyse(data: RunData, *, seed: int = DEFAULT_SEED, resamples: int = DEFAULT_RESAMPLES) -> Analysis:
-    """Intervals, Δ measures per row, failure counts and turnover of a loaded run."""
+def analyse(data: RunData | Path | str, *, seed: int = DEFAULT_SEED, resamples: int = DEFAULT_RESAMPLES) -> Analysis:
+    """Intervals, Δ measures per row, failure counts and turnover of a run (a `RunData` or its directory)."""
+    data = data if isinstance(data, RunData) else load_run(data)
     records = _row_records(data)
     boot, note = None, ""
     if records is None:

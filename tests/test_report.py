@@ -193,7 +193,7 @@ def test_rows_that_trajectories_do_not_reproduce_get_no_intervals(tmp_path):
     rows = RunDir(path).rows()
     rows[1]["results"]["babyai:easy"]["avg_at_k"] = 0.25
     (path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    analysis = analyse(load_run(path), resamples=50)
+    analysis = analyse(path, resamples=50)
     assert analysis.bootstrap is None and "do not reproduce" in analysis.note
     assert analysis.failures is not None  # the tags still read the episodes
 
