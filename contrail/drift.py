@@ -86,23 +86,24 @@ class KLEstimate:
 
 @torch.no_grad()
 def policy_kl(model_p, model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
-              masks: Sequence[Sequence[int]] | torch.Tensor, *, batch_size: int = 8, pad_id: int = 0) -> KLEstimate:
+              masks: Sequence[Sequence[int]] | torch.Tensor, *, batch_size: int = 8, pad_id: int = 0,
+              chunk_rows: int = 128) -> KLEstimate:
     """``KL(p ‖ q)`` per token on the positions ``masks`` marks, which must hold tokens sampled from ``p``.
 
     ``model_p``/``model_q`` are causal LMs called as ``model(input_ids=...,
     attention_mask=...)`` returning ``.logits``; ``sequences[i][t]`` is a token
     id and ``masks[i][t] == 1`` where it was sampled (position 0 is never
     scored: nothing predicts it). Sequences are right-padded in batches of
-    ``batch_size``.
+    ``batch_size``; log-softmaxes are taken in float64, ``chunk_rows``
+    positions at a time (a full ``(batch, tokens, vocabulary)`` float64 copy
+    of a large model's logits would not fit).
     """
     totals = _Totals()
     for ids, attention, scored in _batches(sequences, masks, batch_size, pad_id, _device(model_p)):
-        logp = torch.log_softmax(model_p(input_ids=ids, attention_mask=attention).logits[:, :-1].double(), -1)
-        logq = torch.log_softmax(model_q(input_ids=ids, attention_mask=attention).logits[:, :-1].double(), -1)
-        targets = ids[:, 1:].unsqueeze(-1)
-        ratio = (logq.gather(-1, targets) - logp.gather(-1, targets)).squeeze(-1)
-        exact = (logp.exp() * (logp - logq)).sum(-1)
-        totals.add(ratio, scored, exact)
+        logits_p = model_p(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logits_q = model_q(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logp, logq, exact = _token_terms(logits_p, logits_q, ids[:, 1:], chunk_rows)
+        totals.add(logq - logp, scored, exact)
     return totals.estimate()
 
 
@@ -110,7 +111,7 @@ def policy_kl(model_p, model_q, sequences: Sequence[Sequence[int]] | torch.Tenso
 def kl_from_logprobs(model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
                      masks: Sequence[Sequence[int]] | torch.Tensor,
                      logprobs_p: Sequence[Sequence[float]] | torch.Tensor,
-                     *, batch_size: int = 8, pad_id: int = 0) -> KLEstimate:
+                     *, batch_size: int = 8, pad_id: int = 0, chunk_rows: int = 128) -> KLEstimate:
     """`policy_kl` when ``p`` is known only through ``logprobs_p[i][t] = log p(sequences[i][t])`` (where masked).
 
     The start model's sampler records exactly these, so the current policy
@@ -125,10 +126,36 @@ def kl_from_logprobs(model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
         logp = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
         for i, row in enumerate(rows):
             logp[i, :row.numel()] = row.to(ids.device)
-        logq_all = torch.log_softmax(model_q(input_ids=ids, attention_mask=attention).logits[:, :-1].double(), -1)
-        logq = logq_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        logits_q = model_q(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logq, _, _ = _token_terms(logits_q, None, ids[:, 1:], chunk_rows)
         totals.add(logq - logp[:, 1:], scored, None)
     return totals.estimate()
+
+
+def _token_terms(logits_a: torch.Tensor, logits_b: torch.Tensor | None, targets: torch.Tensor, chunk_rows: int):
+    """(log a(target), log b(target), KL(a ‖ b) over the vocabulary) per position, in float64 by chunks of rows.
+
+    Without ``logits_b`` the last two are None.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    shape, vocab = targets.shape, logits_a.shape[-1]
+    flat_a, flat_t = logits_a.reshape(-1, vocab), targets.reshape(-1, 1)
+    flat_b = None if logits_b is None else logits_b.reshape(-1, vocab)
+    picked_a, picked_b, exact = [], [], []
+    for begin in range(0, flat_t.shape[0], chunk_rows):
+        la = torch.log_softmax(flat_a[begin:begin + chunk_rows].double(), -1)
+        picked_a.append(la.gather(-1, flat_t[begin:begin + chunk_rows]).squeeze(-1))
+        if flat_b is not None:
+            lb = torch.log_softmax(flat_b[begin:begin + chunk_rows].double(), -1)
+            picked_b.append(lb.gather(-1, flat_t[begin:begin + chunk_rows]).squeeze(-1))
+            exact.append((la.exp() * (la - lb)).sum(-1))
+    empty = torch.zeros(shape, dtype=torch.float64, device=targets.device)
+    a = torch.cat(picked_a).reshape(shape) if picked_a else empty
+    if flat_b is None:
+        return a, None, None
+    b = torch.cat(picked_b).reshape(shape) if picked_b else empty
+    return a, b, torch.cat(exact).reshape(shape) if exact else empty
 
 
 @dataclass

@@ -68,6 +68,9 @@ def test_tiny_models_exact_kl_and_identical_models():
     sequences = [[5, 9, 12, 7, 30], [4, 8, 15]]
     masks = [[0, 0, 1, 1, 1], [0, 1, 1]]
     estimate = policy_kl(p, q, sequences, masks, batch_size=1)
+    # batched with right padding and in chunks of 3 positions: the same numbers (up to float noise)
+    chunked = policy_kl(p, q, sequences, masks, batch_size=2, chunk_rows=3)
+    assert chunked.to_dict() == pytest.approx(estimate.to_dict(), rel=1e-5)
     # the exact term by hand: full-vocabulary KL at the scored positions 2, 3, 4 and 1, 2
     total = 0.0
     with torch.no_grad():
