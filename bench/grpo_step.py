@@ -1,8 +1,8 @@
 """GRPO update throughput, achieved FLOP rate, and one full step against TRL.
 
-(a) One GRPO update (`GRPOTrainer._update`: forward + backward + optimizer
+(a) One GRPO update (`GRPOTrainer.update`: advantages, forward + backward + optimizer
     step, and the no-grad old-log-prob forward where the trainer needs one) over a fixed batch of
-    synthetic multi-turn samples (prompt, then assistant turns and
+    synthetic multi-turn trajectories (prompt, then assistant turns and
     observations; ~60% of tokens generated, i.e. mask 1), in fp32 and bf16.
     Tokens/s, and the achieved FLOP rate, estimated as
     ``6 x parameters x tokens`` for fwd+bwd, plus ``2 x parameters x tokens``
@@ -81,20 +81,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --- synthetic samples -------------------------------------------------------------------
 
 
-def synthetic_samples(vocab: int, batch: int, length: int, generated: float, turns: int = 3, seed: int = 0):
-    """``batch`` multi-turn-shaped samples of ``length`` tokens, ``generated`` of them with mask 1.
+def synthetic_trajectories(vocab: int, batch: int, length: int, generated: float, turns: int = 3, seed: int = 0):
+    """``batch`` multi-turn-shaped trajectories of ``length`` tokens, ``generated`` of them with mask 1.
 
     Layout: a prompt (half of the non-generated tokens), then ``turns``
     assistant turns (mask 1) separated by observations (the other half).
-    Advantages alternate +1/-1 so no sample is skipped and gradients flow.
+    They come in groups of two episodes of one task with rewards 1 and 0, so
+    every advantage is non-zero and no sample is skipped.
     """
-    from contrail.train.trainer import Sample
+    from contrail.agent.rollout import Trajectory
+    from contrail.envs.base import Task
 
     rng = random.Random(seed)
     assistant_total = round(generated * length)
     prompt = (length - assistant_total) // 2
     observation_total = length - assistant_total - prompt
-    samples = []
+    trajectories = []
     for row in range(batch):
         mask = [0] * prompt
         for turn in range(turns):
@@ -103,19 +105,22 @@ def synthetic_samples(vocab: int, batch: int, length: int, generated: float, tur
                 mask += [0] * (observation_total // (turns - 1) + (turn < observation_total % (turns - 1)))
         assert len(mask) == length, (len(mask), length)
         ids = [rng.randrange(vocab) for _ in range(length)]
-        samples.append(Sample(ids, mask, {"advantage": 1.0 if row % 2 == 0 else -1.0}))
-    return samples
+        trajectories.append(Trajectory(Task("bench", row // 2, "train", "easy"), ids, mask, [0.0] * length, [],
+                                       reward=1.0 if row % 2 == 0 else 0.0))
+    return trajectories
 
 
-def grpo_trainer(model, tokenizer, precision: str, micro_batch_tokens: int | None, **overrides):
-    """contrail's GRPOTrainer with quiet defaults; environments are not needed for ``_update``."""
+def grpo_trainer(model, tokenizer, precision: str, micro_batch_tokens: int | None, rollout=None, **overrides):
+    """contrail's GRPOTrainer with quiet defaults; environments are not needed for ``update``."""
     import contrail.envs as envs
+    from contrail.agent.rollout import RolloutConfig
     from contrail.grpo.config import GRPOConfig
     from contrail.grpo.trainer import GRPOTrainer
 
     extra = {"micro_batch_tokens": micro_batch_tokens} if micro_batch_tokens else {}
     config = GRPOConfig(precision=precision, lr=1e-6, **extra, **overrides)
-    return GRPOTrainer(model, tokenizer, config, make_env=lambda task: envs.make(task.env), show_progress=False)
+    return GRPOTrainer(model, tokenizer, config, rollout or RolloutConfig(), make_env=lambda task: envs.make(task.env),
+                       show_progress=False)
 
 
 # --- (a) one update, per precision, in a worker process -------------------------------------
@@ -129,21 +134,24 @@ def update_worker(args, precision: str) -> dict:
         policy = load_policy(args.model)
         model, tokenizer = policy.model, policy.tokenizer
     params = parameter_count(model)
-    trainer = grpo_trainer(model, tokenizer, precision, args.micro_batch_tokens)
-    samples = synthetic_samples(model.config.vocab_size, args.batch, args.seq_len, args.generated)
+    if args.batch % 2:
+        raise SystemExit(f"--batch must be even (groups of two episodes), got {args.batch}")
+    trainer = grpo_trainer(model, tokenizer, precision, args.micro_batch_tokens, group_size=2,
+                           tasks_per_step=args.batch // 2)
+    trajectories = synthetic_trajectories(model.config.vocab_size, args.batch, args.seq_len, args.generated)
     tokens = args.batch * args.seq_len
-    fresh = lambda: [type(s)(s.ids, s.mask, {"advantage": s.extras["advantage"]}) for s in samples]  # noqa: E731
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    trainer._update(fresh())  # warm-up: allocator, optimizer state, kernels
-    seconds = [timed(lambda: trainer._update(fresh()))[0] for _ in range(args.updates)]
+    trainer.update(trajectories)  # warm-up: allocator, optimizer state, kernels
+    seconds = [timed(lambda: trainer.update(trajectories))[0] for _ in range(args.updates)]
     best = min(seconds)
     # 6 x params per token for forward + backward, plus 2 x params when the
     # trainer runs a separate no-grad forward for the old log-probs (it skips it
     # when each batch gets a single optimizer step: the ratio is then 1).
-    passes = 6 if getattr(trainer, "_single_update", False) else 8
+    config = trainer.config
+    passes = 6 if config.ppo_epochs * config.minibatches == 1 else 8
     result = {"precision": precision, "params": params, "tokens": tokens, "flop_multiplier": passes,
-              "generated_tokens": sum(sum(s.mask) for s in samples), "seconds": seconds,
+              "generated_tokens": sum(sum(t.mask) for t in trajectories), "seconds": seconds,
               "tokens_per_s": tokens / best, "flops_per_s": passes * params * tokens / best,
               "peak_rss_mb": peak_rss_mb(), "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
@@ -227,9 +235,12 @@ def contrail_worker(args) -> dict:
         def sample(self, n):
             return tasks[:n]
 
-    trainer = grpo_trainer(policy.model, policy.tokenizer, "fp32", None, group_size=args.group,
-                           tasks_per_step=args.tasks, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-                           max_episode_tokens=args.max_episode_tokens, temperature=1.0,
+    from contrail.agent.rollout import RolloutConfig
+
+    rollout = RolloutConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
+                            max_episode_tokens=args.max_episode_tokens, temperature=1.0)
+    trainer = grpo_trainer(policy.model, policy.tokenizer, "fp32", None, rollout, group_size=args.group,
+                           tasks_per_step=args.tasks,
                            skip_zero_advantage=False)  # TRL updates on zero-advantage groups too: same work
     steps = []
     for _ in range(args.steps):

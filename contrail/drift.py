@@ -19,6 +19,13 @@ Three measures per stage, pure functions the runner stores in a row's
 - `turnover`: the test tasks solved at row ``s − 1`` and failed at row ``s``
   (lost) and the reverse (gained), from per-task success rates.
 
+Wiring in the runner: after row 0, `start_samples` keeps each test
+experience's sampled token ids, masks and log-probs (`save_samples` writes
+them as JSON, so a resumed run has them too); after each stage,
+`kl_to_start(model, samples)` gives the per-experience KL, and
+`parameter_change(previous_state, model.state_dict())` the share of moved
+parameters; `drift_row(...)` is the row's ``"drift"`` value.
+
 Shape of a row's ``"drift"`` entry (every key optional)::
 
     {"kl": {"babyai:easy": {"k1": .., "k2": .., "k3": .., "exact": .., "se_k1": .., "se_k3": .., "tokens": 812,
@@ -28,9 +35,11 @@ Shape of a row's ``"drift"`` entry (every key optional)::
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,11 +47,16 @@ import torch
 __all__ = [
     "KLEstimate",
     "ParameterChange",
+    "Samples",
     "Turnover",
     "drift_row",
     "kl_from_logprobs",
+    "kl_to_start",
+    "load_samples",
     "parameter_change",
     "policy_kl",
+    "save_samples",
+    "start_samples",
     "task_successes",
     "turnover",
 ]
@@ -72,23 +86,24 @@ class KLEstimate:
 
 @torch.no_grad()
 def policy_kl(model_p, model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
-              masks: Sequence[Sequence[int]] | torch.Tensor, *, batch_size: int = 8, pad_id: int = 0) -> KLEstimate:
+              masks: Sequence[Sequence[int]] | torch.Tensor, *, batch_size: int = 8, pad_id: int = 0,
+              chunk_rows: int = 128) -> KLEstimate:
     """``KL(p ‖ q)`` per token on the positions ``masks`` marks, which must hold tokens sampled from ``p``.
 
     ``model_p``/``model_q`` are causal LMs called as ``model(input_ids=...,
     attention_mask=...)`` returning ``.logits``; ``sequences[i][t]`` is a token
     id and ``masks[i][t] == 1`` where it was sampled (position 0 is never
     scored: nothing predicts it). Sequences are right-padded in batches of
-    ``batch_size``.
+    ``batch_size``; log-softmaxes are taken in float64, ``chunk_rows``
+    positions at a time (a full ``(batch, tokens, vocabulary)`` float64 copy
+    of a large model's logits would not fit).
     """
     totals = _Totals()
     for ids, attention, scored in _batches(sequences, masks, batch_size, pad_id, _device(model_p)):
-        logp = torch.log_softmax(model_p(input_ids=ids, attention_mask=attention).logits[:, :-1].double(), -1)
-        logq = torch.log_softmax(model_q(input_ids=ids, attention_mask=attention).logits[:, :-1].double(), -1)
-        targets = ids[:, 1:].unsqueeze(-1)
-        ratio = (logq.gather(-1, targets) - logp.gather(-1, targets)).squeeze(-1)
-        exact = (logp.exp() * (logp - logq)).sum(-1)
-        totals.add(ratio, scored, exact)
+        logits_p = model_p(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logits_q = model_q(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logp, logq, exact = _token_terms(logits_p, logits_q, ids[:, 1:], chunk_rows)
+        totals.add(logq - logp, scored, exact)
     return totals.estimate()
 
 
@@ -96,7 +111,7 @@ def policy_kl(model_p, model_q, sequences: Sequence[Sequence[int]] | torch.Tenso
 def kl_from_logprobs(model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
                      masks: Sequence[Sequence[int]] | torch.Tensor,
                      logprobs_p: Sequence[Sequence[float]] | torch.Tensor,
-                     *, batch_size: int = 8, pad_id: int = 0) -> KLEstimate:
+                     *, batch_size: int = 8, pad_id: int = 0, chunk_rows: int = 128) -> KLEstimate:
     """`policy_kl` when ``p`` is known only through ``logprobs_p[i][t] = log p(sequences[i][t])`` (where masked).
 
     The start model's sampler records exactly these, so the current policy
@@ -111,10 +126,91 @@ def kl_from_logprobs(model_q, sequences: Sequence[Sequence[int]] | torch.Tensor,
         logp = torch.zeros(ids.shape, dtype=torch.float64, device=ids.device)
         for i, row in enumerate(rows):
             logp[i, :row.numel()] = row.to(ids.device)
-        logq_all = torch.log_softmax(model_q(input_ids=ids, attention_mask=attention).logits[:, :-1].double(), -1)
-        logq = logq_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        logits_q = model_q(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        logq, _, _ = _token_terms(logits_q, None, ids[:, 1:], chunk_rows)
         totals.add(logq - logp[:, 1:], scored, None)
     return totals.estimate()
+
+
+def _token_terms(logits_a: torch.Tensor, logits_b: torch.Tensor | None, targets: torch.Tensor, chunk_rows: int):
+    """(log a(target), log b(target), KL(a ‖ b) over the vocabulary) per position, in float64 by chunks of rows.
+
+    Without ``logits_b`` the last two are None.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    shape, vocab = targets.shape, logits_a.shape[-1]
+    flat_a, flat_t = logits_a.reshape(-1, vocab), targets.reshape(-1, 1)
+    flat_b = None if logits_b is None else logits_b.reshape(-1, vocab)
+    picked_a, picked_b, exact = [], [], []
+    for begin in range(0, flat_t.shape[0], chunk_rows):
+        la = torch.log_softmax(flat_a[begin:begin + chunk_rows].double(), -1)
+        picked_a.append(la.gather(-1, flat_t[begin:begin + chunk_rows]).squeeze(-1))
+        if flat_b is not None:
+            lb = torch.log_softmax(flat_b[begin:begin + chunk_rows].double(), -1)
+            picked_b.append(lb.gather(-1, flat_t[begin:begin + chunk_rows]).squeeze(-1))
+            exact.append((la.exp() * (la - lb)).sum(-1))
+    empty = torch.zeros(shape, dtype=torch.float64, device=targets.device)
+    a = torch.cat(picked_a).reshape(shape) if picked_a else empty
+    if flat_b is None:
+        return a, None, None
+    b = torch.cat(picked_b).reshape(shape) if picked_b else empty
+    return a, b, torch.cat(exact).reshape(shape) if exact else empty
+
+
+@dataclass
+class Samples:
+    """Token ids the start model sampled (``masks`` 1 where sampled) with its log-probs there."""
+
+    ids: list[list[int]]
+    masks: list[list[int]]
+    logprobs: list[list[float]]
+
+
+def start_samples(trajectories: Mapping[str, Sequence[Any]], *,
+                  per_experience: int | None = None) -> dict[str, Samples]:
+    """Per test experience, the ``ids``/``mask``/``logprobs`` of its row-0 `Trajectory` objects.
+
+    ``per_experience`` keeps the first episodes only (memory and time).
+    Episodes that sampled nothing (an environment that failed at reset) are left out.
+    """
+    out = {}
+    for name, episodes in trajectories.items():
+        kept = [t for t in episodes if any(t.mask)][:per_experience]
+        out[name] = Samples([list(t.ids) for t in kept], [list(t.mask) for t in kept],
+                            [list(t.logprobs) for t in kept])
+    return out
+
+
+def save_samples(path: str | Path, samples: Mapping[str, Samples]) -> None:
+    """Write samples as JSON (nothing loaded back runs code)."""
+    Path(path).write_text(json.dumps({name: asdict(s) for name, s in samples.items()}), encoding="utf-8")
+
+
+def load_samples(path: str | Path) -> dict[str, Samples]:
+    """Read what `save_samples` wrote."""
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    return {name: Samples(s["ids"], s["masks"], s["logprobs"]) for name, s in data.items()}
+
+
+def kl_to_start(model, samples: Mapping[str, Samples], *, batch_size: int = 8,
+                pad_id: int = 0) -> dict[str, KLEstimate]:
+    """``KL(start ‖ model)`` per experience on the start model's own samples (`kl_from_logprobs`).
+
+    The recorded log-probs are those of the start model's sampling
+    distribution, so this is the KL to the start model itself when the
+    evaluation samples at temperature 1 with top-p 1; otherwise it is the KL
+    from that tempered distribution (load the start model and use `policy_kl`).
+    """
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    try:
+        return {name: kl_from_logprobs(model, s.ids, s.masks, s.logprobs, batch_size=batch_size, pad_id=pad_id)
+                for name, s in samples.items() if s.ids}
+    finally:
+        if was_training:
+            model.train()
 
 
 def _device(model) -> torch.device:

@@ -136,7 +136,7 @@ def evaluate(
                     backend, chat, [job[1] for job in batch], make_env, config,
                     samples=[job[2] for job in batch], on_turn=progress.turn_done, on_episode=record,
                 )
-                for job, traj in zip(batch, trajectories):
+                for job, traj in zip(batch, trajectories, strict=True):
                     results[job[0]].append(traj)
     finally:
         if sink:

@@ -203,8 +203,9 @@ class Analysis:
         return bool(self.bootstrap and row > 0 and self.bootstrap.change(measure, row, column).significant)
 
 
-def analyse(data: RunData, *, seed: int = DEFAULT_SEED, resamples: int = DEFAULT_RESAMPLES) -> Analysis:
-    """Intervals, Δ measures per row, failure counts and turnover of a loaded run."""
+def analyse(data: RunData | Path | str, *, seed: int = DEFAULT_SEED, resamples: int = DEFAULT_RESAMPLES) -> Analysis:
+    """Intervals, Δ measures per row, failure counts and turnover of a run (a `RunData` or its directory)."""
+    data = data if isinstance(data, RunData) else load_run(data)
     records = _row_records(data)
     boot, note = None, ""
     if records is None:
@@ -566,12 +567,15 @@ def _write_heatmap(analysis: Analysis) -> Path:
     data = analysis.data
     R = data.matrix("avg_at_k")
     rows, cols = R.shape
-    fig, ax = _figure(max(4.0, 1.3 * cols + 2.5), max(2.5, 0.55 * rows + 1.8))
+    fig, ax = _figure(max(5.0, 1.3 * cols + 2.5), max(2.8, 0.65 * rows + 2.0))
     image = ax.imshow(np.ma.masked_invalid(R), vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
     for i in range(rows):
         for j in range(cols):
             value = R[i, j]
             text = _fmt(value, 2) + ("*" if analysis.significant("avg_at_k", i, j) else "")
+            cell = analysis.cell("avg_at_k", i, j)
+            if cell is not None and not math.isnan(cell.se):
+                text += f"\n± {cell.se:.2f}"
             ax.text(j, i, text, ha="center", va="center",
                     color="black" if not math.isnan(value) and value > 0.6 else "white", fontsize=9)
     for j, s in enumerate(data.trained_at):
@@ -582,8 +586,8 @@ def _write_heatmap(analysis: Analysis) -> Path:
     ax.set_yticks(range(rows), [f"{i} {_stage_name(data, i)}" for i in range(rows)], fontsize=8)
     ax.set_xlabel("test experience")
     ax.set_ylabel("after stage")
-    marks = "; *: change from row 0 significant" if analysis.bootstrap is not None else ""
-    ax.set_title(f"avg@k — {data.path.name} (red: first trained{marks})", fontsize=10)
+    marks = "\n± bootstrap se; *: the change from row 0 is significant (95%)" if analysis.bootstrap else ""
+    ax.set_title(f"avg@k — {data.path.name} (red: first trained){marks}", fontsize=10)
     fig.colorbar(image, ax=ax, label="avg@k")
     path = data.path / "heatmap.png"
     fig.savefig(path, dpi=120)

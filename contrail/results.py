@@ -115,8 +115,8 @@ class RunDir:
         if differ:
             details = "; ".join(f"{k}: saved {_lookup(saved, k)!r}, now {_lookup(config, k)!r}" for k in differ)
             raise RunExistsError(
-                f"cannot resume {self.path}: it holds a different experiment; the config differs in {', '.join(differ)} ({details}); "
-                "restore those values, or use --force to start over"
+                f"cannot resume {self.path}: it holds a different experiment; the config differs in "
+                f"{', '.join(differ)} ({details}); restore those values, or use --force to start over"
             )
 
     def config(self) -> dict[str, Any]:

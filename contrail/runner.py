@@ -8,11 +8,15 @@ trains, calls ``after_stage``, saves a checkpoint, evaluates every test
 experience and appends the stage's row (atomically). Every seed is derived
 from ``experiment.seed`` by name (`contrail.seeds.derive_seed`).
 
-Resuming works after a kill at any moment: the stages are replayed from
-``plan.json``, training continues from the checkpoint of the last *recorded*
-stage (the optimizer state of a stage is kept until the next row is
-written), ``grpo_log.jsonl`` is cut back to that checkpoint's step, and a
-finished run whose report is missing gets its report rebuilt.
+Resuming works after a kill at any moment and reproduces the uninterrupted
+run exactly: the stages are replayed from ``plan.json`` (the strategy must
+plan them again, identically); training continues from the checkpoint of the
+last *recorded* stage, whose optimizer state (and the strategy's own state,
+if it has one) is kept until the next row is written; checkpoints are
+written to a staging directory and renamed into place; evaluation leaves
+the global random state alone, so a checkpoint saved before it resumes the
+same streams; ``grpo_log.jsonl`` is cut back to the checkpoint's step; a KL
+reference stays the start model; and a finished run gets its report rebuilt.
 
 >>> experiment = load_experiment("experiments/quickstart.yaml")
 >>> result = run(experiment)                       # into experiment.out
@@ -128,6 +132,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     if done >= 1:
         trainer.load_state(run_dir.checkpoint_dir(done))
         _load_strategy_state(strategy, run_dir.checkpoint_dir(done))
+        _restore_reference(trainer, experiment, start_model)
         console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
     if processes.is_main_process:
         _truncate_log(run_dir.path / GRPO_LOG, trainer.step_count)
@@ -248,6 +253,20 @@ def _make_trainer(experiment: Experiment, stream: Stream, model, tokenizer, run_
 
     return GRPOTrainer(model, tokenizer, experiment.grpo, experiment.rollout, env_factory(stream.experiences),
                        seed=experiment.seed, log_dir=run_dir.path, show_progress=show_progress)
+
+
+def _restore_reference(trainer: GRPOTrainer, experiment: Experiment, start_model: str) -> None:
+    """Give a resumed trainer the run's start model as its KL reference (``grpo.beta > 0``).
+
+    The trainer freezes a copy of the model it is built with; after a resume
+    that is the checkpoint's, so the start model's weights are loaded into it.
+    With LoRA the reference is the (unchanged) base model under the adapter.
+    """
+    if trainer.reference is None or experiment.grpo.lora:
+        return
+    start, _ = load_model(start_model, dtype=experiment.model.dtype)
+    trainer.reference.load_state_dict(start.state_dict())
+    del start
 
 
 def _make_evaluator(experiment: Experiment, stream: Stream, show_progress: bool) -> Evaluator:
@@ -409,6 +428,7 @@ def _finish(run_dir: RunDir, processes: PartialState) -> RunResult:
     """
     if processes.is_main_process:
         if not run_dir.finished():
+            _drop_stale_checkpoints(run_dir, run_dir.completed_stages())  # a kill may have beaten the cleanup
             run_dir.mark_finished()
         _write_report(run_dir.path)
     processes.wait_for_everyone()

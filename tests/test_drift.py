@@ -6,14 +6,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from contrail.agent.rollout import Trajectory
 from contrail.drift import (
+    Samples,
     drift_row,
     kl_from_logprobs,
+    kl_to_start,
+    load_samples,
     parameter_change,
     policy_kl,
+    save_samples,
+    start_samples,
     task_successes,
     turnover,
 )
+from contrail.envs.base import Task
 from contrail.testing import tiny_model, tiny_tokenizer
 
 
@@ -61,6 +68,9 @@ def test_tiny_models_exact_kl_and_identical_models():
     sequences = [[5, 9, 12, 7, 30], [4, 8, 15]]
     masks = [[0, 0, 1, 1, 1], [0, 1, 1]]
     estimate = policy_kl(p, q, sequences, masks, batch_size=1)
+    # batched with right padding and in chunks of 3 positions: the same numbers (up to float noise)
+    chunked = policy_kl(p, q, sequences, masks, batch_size=2, chunk_rows=3)
+    assert chunked.to_dict() == pytest.approx(estimate.to_dict(), rel=1e-5)
     # the exact term by hand: full-vocabulary KL at the scored positions 2, 3, 4 and 1, 2
     total = 0.0
     with torch.no_grad():
@@ -113,3 +123,24 @@ def test_turnover_from_per_task_successes():
 def test_drift_row_shape():
     row = drift_row(params=parameter_change({"w": torch.zeros(2)}, {"w": torch.ones(2)}))
     assert row == {"params": {"changed": 2, "total": 2, "fraction": 1.0, "atol": 0.0, "rtol": 0.0}}
+
+
+def test_start_samples_round_trip_and_kl_to_start(tmp_path):
+    a, b = [1.0, 0.0, -1.0], [0.0, 0.5, 0.0]
+    logp = torch.log_softmax(torch.tensor(a, dtype=torch.float64), -1)
+    generator = torch.Generator().manual_seed(1)
+    trajectories = []
+    for i in range(60):
+        ids = torch.multinomial(logp.exp(), 30, replacement=True, generator=generator).tolist()
+        mask = [0, 0] + [1] * 28
+        trajectories.append(Trajectory(Task("x", i, "test", "easy"), ids, mask,
+                                       [float(logp[t]) * m for t, m in zip(ids, mask)], []))
+    trajectories.append(Trajectory(Task("x", 99, "test", "easy"), [], [], [], []))  # failed at reset: no samples
+    samples = start_samples({"x:easy": trajectories})
+    assert len(samples["x:easy"].ids) == 60
+    save_samples(tmp_path / "start.json", samples)
+    loaded = load_samples(tmp_path / "start.json")
+    assert loaded == samples and isinstance(loaded["x:easy"], Samples)
+    result = kl_to_start(ConstantLM(b), loaded)["x:easy"]
+    assert abs(result.k3 - closed_form_kl(a, b)) < 4 * result.se_k3
+    assert start_samples({"x:easy": trajectories}, per_experience=5)["x:easy"].ids == samples["x:easy"].ids[:5]

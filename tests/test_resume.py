@@ -31,6 +31,7 @@ from contrail.grpo.config import GRPOConfig
 from contrail.grpo.trainer import GRPOTrainer
 from contrail.results import RunDir, RunExistsError
 from contrail.runner import run
+from contrail.strategies import Sequential
 from contrail.testing import tiny_model, tiny_tokenizer
 
 
@@ -71,15 +72,15 @@ def base_model(tmp_path_factory):
     return str(path)
 
 
-def experiment(base_model, out) -> Experiment:
+def experiment(base_model, out, strategy="sequential", beta=0.0) -> Experiment:
     return Experiment(
         name="resume",
         stream=StreamSpec(train=["magic:easy", "magic-berry:easy"], train_tasks=8, test_tasks=4,
                           steps_per_experience=2),
-        strategy=StrategySpec(name="sequential"),
+        strategy=StrategySpec(name=strategy),
         model=ModelSpec(name=base_model, dtype="float32", device="cpu"),
         rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
-        grpo=GRPOConfig(lr=3e-2, group_size=8, tasks_per_step=2),
+        grpo=GRPOConfig(lr=3e-2, group_size=8, tasks_per_step=2, beta=beta),
         eval=EvalSpec(k=2),
         seed=0,
         out=str(out),
@@ -195,14 +196,27 @@ def after_finished(mp):
     kill_on_call(mp, contrail.report, "write_report", 1)
 
 
+def between_weights_and_optimizer_state(call):
+    from contrail.train.trainer import MaskedTokenTrainer
+
+    return lambda mp: kill_on_call(mp, MaskedTokenTrainer, "save_model", call, before=False)
+
+
+def after_row(call):
+    return lambda mp: kill_on_call(mp, RunDir, "append_row", call, before=False)
+
+
 KILL_POINTS = {
     "row 0 evaluation": in_evaluation(1),
     "stage 1 training, second step": in_training(2),
     "stage 1 checkpoint write": in_checkpoint_write(1),
     "stage 1 evaluation": in_evaluation(2),
+    "stage 1 row written, before stage 2": after_row(2),
     "stage 2 training, first step": in_training(3),
     "stage 2 training, after its first step": in_training(4),
     "stage 2 checkpoint write": in_checkpoint_write(2),
+    "stage 2 checkpoint write, weights saved, optimizer state not": between_weights_and_optimizer_state(2),
+    "stage 2 row written, earlier optimizer state not yet deleted": after_row(3),
     "stage 2 evaluation": in_evaluation(3),
     "after the last row, before FINISHED": after_last_row,
     "after FINISHED, before the report": after_finished,
@@ -239,9 +253,12 @@ def test_a_real_sigkill_during_the_evaluation_after_stage_two(base_model, refere
     out = tmp_path / "run"
     script = textwrap.dedent(f"""
         import os, signal, sys
+        import torch
+        torch.set_num_threads(1)
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from contrail import evaluation
         from contrail.runner import run
+from contrail.strategies import Sequential
         from test_resume import experiment
 
         real, calls = evaluation.evaluate, []
@@ -262,3 +279,85 @@ def test_a_real_sigkill_during_the_evaluation_after_stage_two(base_model, refere
     assert RunDir(out).completed_stages() == 1
     run(experiment(base_model, out), resume=True, show_progress=False)
     assert_same_run(out, reference)
+
+
+# --- strategies that carry something from one stage to the next ------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["kl_anchor", "ewc"])
+def test_continual_learning_methods_resume_exactly(strategy, base_model, tmp_path):
+    """The anchor (the policy at the stage's start) and the Fisher (from the previous stage's tasks) are rebuilt."""
+    straight = tmp_path / "straight"
+    run(experiment(base_model, straight, strategy), show_progress=False)
+    out = tmp_path / "resumed"
+    with pytest.MonkeyPatch.context() as patch:
+        in_training(4)(patch)
+        with pytest.raises(Killed):
+            run(experiment(base_model, out, strategy), show_progress=False)
+    run(experiment(base_model, out, strategy), resume=True, show_progress=False)
+    assert_same_run(out, straight)
+
+
+class CarriesState(Sequential):
+    """Adds each finished stage's index to a tensor it carries into the next stage's ``before_stage``."""
+
+    seen_before_stage: list = []
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.total = torch.zeros(1)
+
+    def before_stage(self, stage, trainer):
+        CarriesState.seen_before_stage.append(float(self.total))
+
+    def after_stage(self, stage, trainer):
+        self.total = self.total + stage.index
+
+    def state_dict(self):
+        return {"total": self.total}
+
+    def load_state_dict(self, state):
+        self.total = state["total"].clone()
+
+
+def test_a_strategys_own_state_is_saved_with_the_checkpoint_and_restored(base_model, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    exp = experiment(base_model, out, f"{__name__}:CarriesState")
+    CarriesState.seen_before_stage = seen = []
+    with monkeypatch.context() as patch:
+        in_training(4)(patch)  # in stage 2, after the stage-1 checkpoint
+        with pytest.raises(Killed):
+            run(exp, show_progress=False)
+    assert seen == [0.0, 1.0]
+    assert load_file(out / "checkpoints" / "stage-01" / "strategy_state.safetensors")["total"].item() == 1.0
+    run(exp, resume=True, show_progress=False)
+    assert seen == [0.0, 1.0, 1.0]  # the resumed stage 2 starts from what stage 1 left
+    checkpoints = out / "checkpoints"
+    assert not (checkpoints / "stage-01" / "strategy_state.safetensors").exists()  # like the optimizer state
+    assert load_file(checkpoints / "stage-02" / "strategy_state.safetensors")["total"].item() == 3.0
+
+
+def test_resume_refuses_a_plan_the_strategy_no_longer_makes(base_model, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        in_evaluation(2)(patch)
+        with pytest.raises(Killed):
+            run(experiment(base_model, out), show_progress=False)
+    plan = json.loads((out / "plan.json").read_text())
+    plan["stages"][1]["steps"] = 7  # as if the strategy's code had changed since
+    (out / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(RunExistsError, match="now plans other stages than .*plan.json records; use --force"):
+        run(experiment(base_model, out), resume=True, show_progress=False)
+
+
+def test_a_resumed_run_keeps_the_start_model_as_its_kl_reference(base_model, tmp_path, monkeypatch):
+    """With ``grpo.beta > 0`` the KL reference is the run's start model, not the checkpoint resumed from."""
+    straight = tmp_path / "straight"
+    run(experiment(base_model, straight, beta=0.5), show_progress=False)
+    out = tmp_path / "resumed"
+    with monkeypatch.context() as patch:
+        in_training(4)(patch)
+        with pytest.raises(Killed):
+            run(experiment(base_model, out, beta=0.5), show_progress=False)
+    run(experiment(base_model, out, beta=0.5), resume=True, show_progress=False)
+    assert_same_run(out, straight)

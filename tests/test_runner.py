@@ -174,22 +174,62 @@ def test_measured_curriculum_measures_base_success_with_the_one_loaded_model(bas
     assert set(base) == set(TRAIN) and all(0.0 <= v <= 1.0 for v in base.values())
     # stages ordered by descending measured success (ties keep the stream order)
     expected = sorted(TRAIN, key=lambda name: -base[name])
+    assert expected != TRAIN  # with seed 0 the measurement reverses the stream's order: the test can tell
     assert [s["name"] for s in plan["stages"]] == expected
     assert [r["name"] for r in result.rows[1:]] == expected
     check_metrics(result, stages=2)
 
 
-def test_base_success_is_seeded_by_name(base_model, tmp_path):
-    from contrail.experiment import build_stream
-    from contrail.models import load_model
-    from contrail.runner import measure_base_success
+def recording_evaluators(monkeypatch):
+    """Record every Evaluator the runner builds and the descriptions it is called with."""
+    from contrail import runner
+    from contrail.evaluation import Evaluator
 
-    exp = experiment(base_model, tmp_path / "run", strategy="curriculum", options={"by": "measured"})
-    model, tokenizer = load_model(base_model)
-    first = measure_base_success(model, tokenizer, build_stream(exp), exp)
-    again = measure_base_success(model, tokenizer, build_stream(exp), exp)
-    assert first == again and set(first) == set(TRAIN)
-    assert derive_seed(exp.seed, "base-success") != derive_seed(exp.seed, "eval")
+    built = []
+
+    class Recording(Evaluator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.calls = []
+            built.append(self)
+
+        def __call__(self, *args, **kwargs):
+            self.calls.append(kwargs.get("description"))
+            return super().__call__(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "Evaluator", Recording)
+    return built
+
+
+def test_evaluation_uses_the_eval_rollout_and_one_seed_for_every_row(base_model, tmp_path, monkeypatch):
+    built = recording_evaluators(monkeypatch)
+    exp = replace(experiment(base_model, tmp_path / "run", seed=5), eval=EvalSpec(k=2, temperature=0.5, max_turns=2))
+    run(exp, show_progress=False)
+    [evaluator] = built  # one evaluator, hence one sampling seed, for rows 0, 1 and 2
+    assert evaluator.calls == ["evaluating the start model", "evaluating after stage 1", "evaluating after stage 2"]
+    assert evaluator.seed == derive_seed(5, "eval")
+    assert evaluator.rollout == exp.eval_rollout
+    assert evaluator.rollout.temperature == 0.5 and evaluator.rollout.max_new_tokens == exp.rollout.max_new_tokens
+    assert evaluator.k == 2 and list(evaluator.tasks) == TRAIN
+
+
+def test_base_success_is_measured_on_seeded_training_tasks(base_model, tmp_path, monkeypatch):
+    from contrail import runner
+    from contrail.evaluation import select_tasks
+    from contrail.experiment import build_stream
+
+    built = recording_evaluators(monkeypatch)
+    monkeypatch.setattr(runner, "BASE_SUCCESS_TASKS", 3)  # fewer than the 8 training tasks: a sample
+    exp = experiment(base_model, tmp_path / "run", strategy="curriculum", options={"by": "measured"}, seed=3)
+    run(exp, show_progress=False)
+    measuring, evaluating = built
+    seed = derive_seed(3, "base-success")
+    assert measuring.seed == seed and evaluating.seed == derive_seed(3, "eval")
+    assert measuring.calls == ["measuring base success for the curriculum"]
+    for experience in build_stream(exp).train:
+        assert measuring.tasks[experience.name] == select_tasks(experience.train_tasks, 3, seed)
+        assert len(measuring.tasks[experience.name]) == 3
+    assert measuring.rollout == exp.eval_rollout and measuring.k == runner.BASE_SUCCESS_K
 
 
 class RecordingHooks(Sequential):

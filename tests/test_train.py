@@ -12,7 +12,8 @@ from contrail.agent.scripted import ExpertBackend
 from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
 from contrail.train.config import TrainConfig
 from contrail.train.demos import DemoSpec, demonstrations, plan_tasks
-from contrail.train.trainer import MaskedTokenTrainer, collate, cross_entropy_loss, pack_by_tokens
+from contrail.train.trainer import (CheckpointError, MaskedTokenTrainer, NonFiniteError, collate, cross_entropy_loss,
+                                    pack_by_tokens)
 from contrail.stream import Experience
 
 
@@ -174,3 +175,107 @@ def test_sft_end_to_end_and_resume(tokenizer, tmp_path, monkeypatch):
     assert (model_dir / "config.json").exists()
     summary = json.loads((tmp_path / "bc" / "summary.json").read_text())
     assert summary["demonstrations"]["envs"] == ["magic:easy"]
+
+
+# --- configuration, non-finite updates, checkpoints ------------------------------------------
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("lr", float("nan"), "lr must be a finite number"),
+    ("lr", float("inf"), "lr must be a finite number"),
+    ("lr", 0.0, "lr must be > 0"),
+    ("lr", "1e-3", "lr must be a finite number"),
+    ("weight_decay", -0.1, "weight_decay must be >= 0"),
+    ("warmup_steps", -1, "warmup_steps must be >= 0"),
+    ("warmup_steps", 1.5, "warmup_steps must be an integer"),
+    ("max_grad_norm", 0.0, "max_grad_norm must be > 0"),
+    ("max_grad_norm", float("inf"), "max_grad_norm must be a finite number"),
+    ("micro_batch_tokens", 1, "micro_batch_tokens must be >= 2"),
+    ("precision", "fp8", "precision must be one of fp32, bf16"),
+    ("lora", "yes", "lora must be true or false"),
+    ("lora_r", 0, "lora_r must be >= 1"),
+    ("lora_alpha", 0, "lora_alpha must be > 0"),
+    ("lora_dropout", 1.0, r"lora_dropout must be in \[0, 1\)"),
+    ("lora_dropout", -0.1, r"lora_dropout must be in \[0, 1\)"),
+    ("lora_target_modules", "", "lora_target_modules must be a non-empty string"),
+    ("max_nonfinite_steps", 0, "max_nonfinite_steps must be >= 1"),
+])
+def test_every_train_config_value_is_validated(field, value, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        TrainConfig(**{field: value})
+
+
+def test_non_finite_steps_are_skipped_then_stop_training(tokenizer):
+    model = tiny_model(tokenizer)
+    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=4), tokenizer, use_cache=False)
+    trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=1e-3, max_nonfinite_steps=2))
+    before = [p.detach().clone() for p in trainer.unwrapped.parameters()]
+
+    def nan_loss(model, batch, normalizer):
+        loss, stats = cross_entropy_loss(model, batch, normalizer)
+        return loss * float("nan"), stats
+
+    stats = trainer.step(samples, nan_loss)
+    assert stats["nonfinite_skipped"] == 1.0 and trainer.global_step == 0 and trainer.nonfinite_streak == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.unwrapped.parameters()))
+    assert all(p.grad is None for p in trainer.unwrapped.parameters())  # nothing leaks into the next step
+    assert "nonfinite_skipped" not in trainer.step(samples, cross_entropy_loss)
+    assert trainer.nonfinite_streak == 0
+    trainer.step(samples, nan_loss)
+    with pytest.raises(NonFiniteError, match="2 updates in a row"):
+        trainer.step(samples, nan_loss)
+
+
+def test_trainer_state_is_tensors_and_json_and_rng_resumes_exactly(tokenizer, tmp_path):
+    import random
+
+    import numpy as np
+
+    trainer = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig(), seed=4)
+    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=2), tokenizer, use_cache=False)
+    trainer.step(samples, cross_entropy_loss)
+    random.random(), np.random.rand(), torch.rand(1)  # move every RNG off its seed
+    trainer.save(tmp_path / "ckpt", extra={"epoch": 3, "generator": torch.arange(4)})
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+    state = torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=True)
+    assert set(state) == {"optimizer", "scheduler", "rng", "extra"}
+    assert json.loads((tmp_path / "ckpt" / "trainer_state.json").read_text())["extra"] == {"epoch": 3}
+    resumed = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig(), seed=4)
+    extra = resumed.load_state(tmp_path / "ckpt")
+    assert extra["epoch"] == 3 and torch.equal(extra["generator"], torch.arange(4))
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
+    with pytest.raises(TypeError, match="JSON serializable"):
+        resumed.save(tmp_path / "bad", extra={"object": object()})
+
+
+def test_a_crafted_trainer_state_is_refused_without_running_it(tokenizer, tmp_path):
+    """`contrail sft` resumes from out/checkpoint by default: its trainer_state.pt must never run code."""
+    import os
+
+    trainer = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig())
+    trainer.save(tmp_path / "checkpoint", extra={"epoch": 0})
+    marker = tmp_path / "ran"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    torch.save({"optimizer": Exploit(), "scheduler": {}, "rng": {}, "extra": {}},
+               tmp_path / "checkpoint" / "trainer_state.pt")
+    with pytest.raises(CheckpointError, match="refused to load: not a tensors-only checkpoint"):
+        trainer.load_state(tmp_path / "checkpoint")
+    assert not marker.exists()
+    (tmp_path / "checkpoint" / "trainer_state.pt").write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError):
+        trainer.load_state(tmp_path / "checkpoint")
+
+
+def test_non_finite_weights_are_never_saved(tokenizer, tmp_path):
+    trainer = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig())
+    with torch.no_grad():
+        next(trainer.unwrapped.parameters())[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="refusing to save non-finite weights"):
+        trainer.save(tmp_path / "ckpt")
+    with pytest.raises(NonFiniteError):
+        trainer.save_model(tmp_path / "model")
+    assert not (tmp_path / "ckpt" / "model").exists() and not (tmp_path / "model").exists()

@@ -122,10 +122,10 @@ def test_demonstrations_render_like_rollouts_and_mask_assistant_tokens():
     tasks = plan_tasks([Experience.from_spec("magic:easy")], 4, 3)
     direct = rollout(ExpertBackend(chat), chat, tasks, lambda t: MagicWordEnv(), expert_rollout_config(SPEC))
     assert [s.ids for s in samples] == [t.ids for t in direct]
-    for sample, traj in zip(samples, direct):
+    for sample, traj in zip(samples, direct, strict=True):
         rendered = tokenizer.apply_chat_template(traj.messages, tokenize=False)
         assert sample.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        learned = [i for i, m in zip(sample.ids, sample.mask) if m]
+        learned = [i for i, m in zip(sample.ids, sample.mask, strict=True) if m]
         assert learned == tokenizer("apple", add_special_tokens=False)["input_ids"] + chat.assistant_close_ids[:1]
 
 

@@ -98,9 +98,15 @@ def describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         names = list(dict.fromkeys(describe(arm) for arm in typing.get_args(hint)))
+        if "path" in names and "str" in names:
+            names.remove("str")  # a path option takes a string anyway
         return " or ".join(names)
     if origin is Literal:
         return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    if origin in (list, tuple, set, frozenset, abc.Sequence, abc.Set, abc.Collection, abc.Iterable):
+        return "list"
+    if origin in (dict, abc.Mapping):
+        return "mapping"
     if origin is not None:
         return getattr(origin, "__name__", str(hint))
     if isinstance(hint, type) and issubclass(hint, (PurePath, os.PathLike)):

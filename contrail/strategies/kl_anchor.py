@@ -43,6 +43,11 @@ class KLAnchor(Sequential):
         super().__post_init__()
         check_number("beta", self.beta, low=0.0)
 
+    @property
+    def anchor(self) -> torch.nn.Module | None:
+        """The frozen policy of the previous stage while a stage trains; ``None`` between stages."""
+        return self._anchor
+
     def before_stage(self, stage: Stage, trainer) -> None:
         self._release()
         self._anchor = frozen_copy(trainer.model)

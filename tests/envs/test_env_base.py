@@ -261,7 +261,7 @@ def test_an_unknown_option_lists_the_valid_ones(options_env):
 @pytest.mark.parametrize("key, value, expected", [
     ("max_turns", "abc", "int or None"), ("max_turns", 2.5, "int or None"), ("max_turns", True, "int or None"),
     ("rate", "fast", "float"), ("verbose", 1, "bool"), ("label", 3, "str"),
-    ("data_dir", 7, "str or path or None"), ("sizes", ["a"], "list or None"),
+    ("data_dir", 7, "path or None"), ("sizes", ["a"], "list or None"),
 ])
 def test_a_mistyped_option_names_the_expected_type(options_env, key, value, expected):
     with pytest.raises(EnvOptionError, match=f"^option {key} of options-env: expected {expected}, got "):

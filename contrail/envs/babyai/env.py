@@ -29,12 +29,14 @@ from __future__ import annotations
 import random
 import re
 
+import numpy as np
+
 from contrail.envs.babyai import levels
-from contrail.envs.babyai.actions import CHECK, NOT_RECOGNIZED, Menu, action_menu, play
+from contrail.envs.babyai.actions import CHECK, NOT_RECOGNIZED, Menu, Played, action_menu, play
 from contrail.envs.babyai.expert import Expert, thought
 from contrail.envs.babyai.levels import LEVELS, TRAIN_SEED_START, level_number, task_difficulty
 from contrail.envs.babyai.solvable import solvable
-from contrail.envs.babyai.view import describe, look
+from contrail.envs.babyai.view import View, describe, look
 from contrail.envs.base import Env, EnvOptionError, Step, Task, register
 from contrail.envs.parsing import action_lines
 
@@ -97,6 +99,7 @@ class BabyAIEnv(Env):
         self.filter_train = filter_train
         self._level = None  # minigrid starts at the first reset
         self._expert: Expert | None = None
+        self._view: View | None = None
         self._menu = Menu()
         self._description = ""
 
@@ -160,7 +163,8 @@ class BabyAIEnv(Env):
         self._look(played.image)
         return self._outcome(played, action)
 
-    def _outcome(self, played, action: str) -> Step:
+    def _outcome(self, played: Played, action: str) -> Step:
+        """The step after a macro was played: the new view, and how minigrid judged the mission."""
         success = played.terminated and played.reward > 0
         observation = self._description
         if success:
@@ -199,7 +203,7 @@ class BabyAIEnv(Env):
         return f"Thought: {thought(action, self.task.id, self.turns, self.goal)}\nAction: {action}"
 
     # --- helpers --------------------------------------------------------------------------------
-    def _look(self, image) -> None:
+    def _look(self, image: np.ndarray) -> None:
         """Refresh what the agent sees and may do from minigrid's observation ``image``."""
         self._view = look(self._level, image)
         self._description = describe(self._view, self._level.carrying)
@@ -227,16 +231,17 @@ class BabyAIEnv(Env):
         }
 
 
-_SPACES = re.compile(r"\s+")
+# AgentGym's client keeps only these characters of the action it reads.
+_DROPPED = re.compile(r"[^A-Za-z0-9, ]+")
 
 
 def normalise_action(raw: str) -> str:
-    """Lower-case, single-spaced, without wrapping quotes/brackets or a final period.
+    """The action as AgentGym reads it: only letters, digits, commas and spaces, single-spaced, lower-case.
 
-    ``pick up`` (the instruction's spelling) is accepted for ``pickup`` (the
-    action list's).
+    (So ``**Go to red ball 1**.`` is ``go to red ball 1``.) ``pick up`` (the
+    instruction's spelling) is accepted for ``pickup`` (the action list's).
     """
-    action = _SPACES.sub(" ", raw).strip().strip("\"'`[]").strip().rstrip(".").strip().lower()
+    action = " ".join(_DROPPED.sub("", raw).split()).lower()
     if action.startswith("pick up "):
         action = "pickup " + action[len("pick up "):]
     return action

@@ -66,9 +66,8 @@ TABLE = Table(
 
 def expert_solves(task_id: int, max_turns: int) -> bool:
     """Whether the expert solves task ``task_id`` within ``max_turns``, through the model's path (`step`)."""
-    from contrail.envs.babyai.env import (
-        BabyAIEnv,  # the env lists its tasks with this module
-    )
+    # Imported here: the environment imports this module to list its tasks.
+    from contrail.envs.babyai.env import BabyAIEnv
 
     env = BabyAIEnv(max_turns=max_turns)
     env.reset(Task("babyai", task_id, "test", task_difficulty(task_id)))

@@ -133,6 +133,12 @@ def test_malformed_output_returns_the_error_observation(env, output):
     assert env.step("Action: turn left").valid  # the episode goes on
 
 
+def test_actions_are_read_as_agentgym_reads_them(env):
+    env.reset(task(0))
+    result = env.step("Thought:\nThe ball.\n\nAction:\n**Go to  red ball 1**.")
+    assert result.valid and result.info["action"] == "go to red ball 1"
+
+
 def test_unknown_action_gets_agentgyms_message(env):
     env.reset(task(2))
     assert env.step("Action: fly").observation.startswith(NOT_RECOGNIZED_MESSAGE)
