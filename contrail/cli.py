@@ -9,8 +9,10 @@
     contrail report RUN                    regenerate a run's report.md, matrix.csv and plots
     contrail compare RUN...                tabulate an ablation: mean ± std over seeds
 
-Bad input (unknown environment or difficulty, k < 1, missing model) prints
-one line naming the valid choices and exits with code 2.
+contrail's own user-facing errors (a config mistake, an unknown name, a
+bad environment option or device, a run directory in the way, a missing
+model) print one line naming the valid choices and exit with code 2, before
+anything is written. Anything else is a bug: its traceback is kept (exit 1).
 """
 
 from __future__ import annotations
@@ -25,14 +27,13 @@ from rich.console import Console
 from rich.table import Table
 
 from contrail import envs
-from contrail.envs.base import UnknownNameError
 
 # Wide tables when printing to a file or a pipe (rich would otherwise assume 80 columns).
 console = Console() if sys.stdout.isatty() else Console(width=150)
 
 
-class UsageError(Exception):
-    """A user error reported in one line with exit code 2."""
+class UsageError(ValueError):
+    """A user error in the command line reported in one line with exit code 2."""
 
 
 def _positive(value: str) -> int:
@@ -42,16 +43,28 @@ def _positive(value: str) -> int:
     return number
 
 
+def _seed(value: str) -> int:
+    """A root seed: an integer in [0, 2**63 - 1] (what `contrail.seeds` derives every other seed from)."""
+    from contrail.seeds import check_seed
+
+    try:
+        return check_seed(int(value), "seed")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, default_model: str | None = "smollm2-135m") -> None:
+    """``--model``, ``--device``, ``--dtype`` and ``--seed``."""
     group = parser.add_argument_group("model")
     group.add_argument("--model", default=default_model,
                        help="HF id, local path, checkpoint dir, or the alias smollm2-135m (default)")
-    group.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+    group.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N, mps")
     group.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=_seed, default=0)
 
 
 def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `RolloutConfig` options and ``--batch-episodes``."""
     group = parser.add_argument_group("rollouts")
     group.add_argument("--max-new-tokens", type=_positive, default=128, help="tokens per turn")
     group.add_argument("--max-episode-tokens", type=_positive, default=4096)
@@ -61,25 +74,37 @@ def add_rollout_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--batch-episodes", type=_positive, default=64, help="episodes played together")
 
 
-def resolve_device(device: str) -> str:
-    import torch
+def rollout_from_args(args: argparse.Namespace):
+    """The `RolloutConfig` of the rollout options; a bad combination is a `UsageError` naming the option."""
+    from contrail.agent.rollout import RolloutConfig
 
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    try:
+        return RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=args.max_episode_tokens,
+                             temperature=args.temperature, top_p=args.top_p, max_turns=args.max_turns)
+    except ValueError as error:
+        raise UsageError(f"--{str(error).split()[0].replace('_', '-')}: {error}") from None
+
+
+def output_dir(value: str | None, default: Path) -> Path:
+    """``--out`` as a directory to write into; an existing file there is a `UsageError`."""
+    out = Path(value) if value else default
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is an existing file, not a directory")
+    return out
 
 
 # --- contrail envs ---------------------------------------------------------------
 
 
 def cmd_envs(args: argparse.Namespace) -> int:
+    """A table of every registered environment: difficulties, task counts, turn limits."""
     table = Table(title="contrail environments")
     for column in ("environment", "difficulty", "train tasks", "test tasks", "turn limit"):
         table.add_column(column)
     for name in envs.names():
         try:
             env = envs.make(name)
-        except Exception as error:  # an optional extra not installed: say so, keep listing
+        except ImportError as error:  # an optional extra not installed: say so, keep listing
             table.add_row(name, "-", "-", "-", f"[red]unavailable: {error}")
             continue
         for difficulty in env.difficulties:
@@ -94,17 +119,19 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from contrail.agent import RolloutConfig
+    """Evaluate a model on ``--env`` tasks; ``results.json`` and ``trajectories.jsonl`` go to ``--out``."""
     from contrail.evaluation import evaluate
+    from contrail.models import resolve_device
     from contrail.policy import Policy
     from contrail.stream import Experience, env_factory
 
+    config = rollout_from_args(args)
+    device = resolve_device(args.device)
+    out = output_dir(args.out, Path("runs") / "eval" / time.strftime("%Y%m%d-%H%M%S"))
     experiences = [Experience.from_spec(spec, test_tasks=args.tasks, train_tasks=args.tasks, seed=args.seed)
                    for spec in args.env]
     task_lists = {e.name: (e.test_tasks if args.split == "test" else e.train_tasks) for e in experiences}
-    config = RolloutConfig(args.max_new_tokens, args.max_episode_tokens, args.temperature, args.top_p, args.max_turns)
-    policy = Policy.load(args.model, device=resolve_device(args.device), dtype=args.dtype, seed=args.seed)
-    out = Path(args.out) if args.out else Path("runs") / "eval" / time.strftime("%Y%m%d-%H%M%S")
+    policy = Policy.load(args.model, device=device, dtype=args.dtype, seed=args.seed)
     out.mkdir(parents=True, exist_ok=True)
     trajectories = out / "trajectories.jsonl"
     trajectories.unlink(missing_ok=True)
@@ -121,6 +148,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def print_results(results, title: str) -> None:
+    """One row per experience: avg@k, pass@k, reward, turns, tokens, invalid rate, errors."""
     table = Table(title=title)
     for column in ("experience", "tasks", "avg@k", "pass@k", "reward", "turns", "gen tokens", "invalid", "errors"):
         table.add_column(column, justify="right" if column != "experience" else "left")
@@ -146,7 +174,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
                    for spec in _checked_specs(args.env)]
     tasks = {e.name: (e.test_tasks if args.split == "test" else e.train_tasks) for e in experiences}
     config = RolloutConfig(max_new_tokens=1024, max_episode_tokens=args.max_episode_tokens)
-    for label, backend, k in (("expert", ExpertBackend(chat), 1), ("random valid actions", RandomBackend(chat, args.seed), args.k)):
+    players = (("expert", ExpertBackend(chat), 1), ("random valid actions", RandomBackend(chat, args.seed), args.k))
+    for label, backend, k in players:
         start = time.perf_counter()
         results = evaluate(backend, chat, tasks, env_factory(experiences), k=k, config=config,
                            description=f"{label} on {args.split} tasks")
@@ -158,16 +187,21 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
-    from contrail.train.demos import DemoSpec
-    from contrail.train.sft import SFTConfig, train_sft
+    """Behaviour cloning into ``--out``: the `WarmStart` a run's ``model.warmstart`` would train, from the same seed."""
+    from contrail.experiment import WarmStart
+    from contrail.seeds import derive_seed
+    from contrail.train.sft import train_sft
 
-    demos = DemoSpec(envs=tuple(_checked_specs(args.env)), episodes=args.episodes, seed=args.seed,
-                     max_episode_tokens=args.max_episode_tokens)
-    config = SFTConfig(lr=args.lr, epochs=args.epochs, batch_size=args.batch_size, seed=args.seed,
-                       precision=args.precision, lora=args.lora, micro_batch_tokens=args.micro_batch_tokens,
-                       gradient_checkpointing=args.gradient_checkpointing)
+    output_dir(args.out, Path(args.out))
+    try:
+        spec = WarmStart(envs=list(_checked_specs(args.env)), episodes=args.episodes, epochs=args.epochs,
+                         lr=args.lr, max_episode_tokens=args.max_episode_tokens, batch_size=args.batch_size,
+                         precision=args.precision)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
     start = time.perf_counter()
-    model_dir = train_sft(args.model, demos, args.out, config, dtype=args.dtype, resume=not args.restart)
+    model_dir = train_sft(args.model, spec, args.out, seed=derive_seed(args.seed, "warmstart"), dtype=args.dtype,
+                          resume=not args.restart)
     summary = json.loads((Path(args.out) / "summary.json").read_text())
     made = summary["demonstrations"]
     console.print(
@@ -188,32 +222,46 @@ def _checked_specs(specs: list[str]) -> list[str]:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from contrail.config import EvalConfig
-    from contrail.grpo.config import GRPOConfig
-    from contrail.runner import WarmStart, run
-    from contrail.strategies import Mixture
-    from contrail.stream import Stream
-    from contrail.train.demos import DemoSpec
+    """GRPO on a mixture of ``--env``: the same `Experiment` a YAML file would give, run by the runner."""
+    experiment = train_experiment(args)
+    from contrail.runner import run
 
-    stream = Stream.from_specs(_checked_specs(args.env), test_tasks=args.eval_tasks, seed=args.seed)
-    for index, experience in enumerate(stream.train):  # split the step budget over the environments
-        experience.steps = args.steps // len(stream.train) + (1 if index < args.steps % len(stream.train) else 0)
-    grpo = GRPOConfig(lr=args.lr, group_size=args.group_size, tasks_per_step=args.tasks_per_step,
-                      max_new_tokens=args.max_new_tokens, max_turns=args.max_turns, beta=args.beta,
-                      clip_high=args.clip_high, lora=args.lora, precision=args.precision, seed=args.seed,
-                      temperature=args.temperature, max_episode_tokens=args.max_episode_tokens,
-                      gradient_checkpointing=args.gradient_checkpointing, micro_batch_tokens=args.micro_batch_tokens)
-    evaluation = EvalConfig(k=args.k, max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
-                            max_episode_tokens=args.max_episode_tokens, batch_episodes=args.batch_episodes)
-    warm = None
-    if args.warmstart_episodes:
-        warm = WarmStart(DemoSpec(envs=tuple(args.env), episodes=args.warmstart_episodes, seed=args.seed))
-    result = run(stream, Mixture(seed=args.seed), model=args.model, out=args.out, grpo=grpo, eval=evaluation,
-                 warm_start=warm, dtype=args.dtype, device=resolve_device(args.device), seed=args.seed,
-                 resume=args.resume, force=args.force)
+    result = run(experiment, resume=args.resume, force=args.force)
     if _is_main_process():
         print_run(result)
     return 0
+
+
+def train_experiment(args: argparse.Namespace):
+    """The `Experiment` of ``contrail train``'s options (checked, so mistakes are one line).
+
+    ``--steps`` is the total budget of one mixture stage over the
+    environments (rounded up to a multiple of their number); the warm-start is
+    the same `WarmStart` an experiment file's ``model.warmstart`` builds.
+    """
+    from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec, WarmStart
+    from contrail.grpo.config import GRPOConfig
+
+    specs = _checked_specs(args.env)
+    rollout = rollout_from_args(args)
+    output_dir(args.out, Path(args.out))
+    try:
+        warm = WarmStart(envs=list(specs), episodes=args.warmstart_episodes) if args.warmstart_episodes else None
+        grpo = GRPOConfig(lr=args.lr, group_size=args.group_size, tasks_per_step=args.tasks_per_step, beta=args.beta,
+                          clip_high=args.clip_high, lora=args.lora, precision=args.precision,
+                          gradient_checkpointing=args.gradient_checkpointing,
+                          micro_batch_tokens=args.micro_batch_tokens)
+        experiment = Experiment(
+            name=Path(args.out).name or "train", out=args.out, seed=args.seed,
+            stream=StreamSpec(train=list(specs), test_tasks=args.eval_tasks,
+                              steps_per_experience=-(-args.steps // len(specs))),
+            strategy=StrategySpec(name="mixture"),
+            model=ModelSpec(name=args.model, dtype=args.dtype, device=args.device, warmstart=warm),
+            rollout=rollout, grpo=grpo, eval=EvalSpec(k=args.k, batch_episodes=args.batch_episodes),
+        )
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    return experiment.check()
 
 
 def _is_main_process() -> bool:
@@ -227,9 +275,9 @@ def print_run(result) -> None:
     matrix = result.matrix()
     table = Table(title=f"avg@k after each stage ({result.path})")
     table.add_column("stage")
-    for name, stage in zip(result.test, result.trained_at):
+    for name, stage in zip(result.test, result.trained_at, strict=True):
         table.add_column(f"{name}" + ("" if stage else " (held out)"), justify="right")
-    for row, values in zip(result.rows, matrix):
+    for row, values in zip(result.rows, matrix, strict=True):
         table.add_row(f"{row['stage']} {row['name']}", *(f"{v:.3f}" for v in values))
     console.print(table)
     metrics = "  ".join(f"{k} {v:+.3f}" for k, v in result.metrics.items())
@@ -240,31 +288,21 @@ def print_run(result) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from contrail.config import load_experiment, to_dict
-    from contrail.experiment import build_stream, build_strategy, describe_plan, expand_runs
-    from contrail.report import compare
-    from contrail.runner import WarmStart, run
-    from contrail.train.demos import DemoSpec
-    from contrail.train.sft import SFTConfig
+    """Every run of an experiment file (orders × seeds), or its plan with ``--dry-run``."""
+    from contrail.experiment import describe_plan, expand_runs, load_experiment
 
-    cfg = load_experiment(args.experiment, args.overrides)
+    experiment = load_experiment(args.experiment, args.overrides, preset_dirs=args.preset_dir or ())
     if args.dry_run:
-        print(describe_plan(cfg))
+        print(describe_plan(experiment))
         return 0
-    runs = expand_runs(cfg)
+    from contrail.report import compare
+    from contrail.runner import run
+
+    runs = expand_runs(experiment)
     started = time.perf_counter()
     for number, one in enumerate(runs, start=1):
         console.rule(f"run {number}/{len(runs)}: {one.label} (seed {one.seed}) → {one.out}")
-        warm = None
-        if one.model.warmstart is not None:
-            ws = one.model.warmstart
-            warm = WarmStart(DemoSpec(envs=tuple(ws.envs), episodes=ws.episodes, seed=ws.seed,
-                                      max_episode_tokens=ws.max_episode_tokens),
-                             SFTConfig(lr=ws.lr, epochs=ws.epochs, seed=ws.seed, batch_size=ws.batch_size,
-                                       precision=ws.precision))
-        result = run(build_stream(one), build_strategy(one), model=one.model.name, out=one.out, grpo=one.grpo,
-                     eval=one.eval, warm_start=warm, dtype=one.model.dtype, device=resolve_device(one.model.device),
-                     seed=one.seed, resume=args.resume, force=args.force, config=to_dict(one))
+        result = run(one, resume=args.resume, force=args.force)
         if _is_main_process():
             print_run(result)
     if len(runs) > 1 and _is_main_process():
@@ -274,21 +312,34 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """Rewrite a run's report files from its directory."""
     from contrail.report import write_report
 
-    for path in write_report(args.run):
+    for path in write_report(_run_dir(args.run_dir)):
         console.print(f"wrote {path}")
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    """A table over runs, grouped by label (strategy with its options, and order), over seeds."""
     from contrail.report import compare
 
-    console.print(compare(args.runs), markup=False)
+    console.print(compare([_run_dir(path) for path in args.runs]), markup=False)
     return 0
 
 
+def _run_dir(path: str) -> Path:
+    """A run directory named on the command line; a missing one, or one without results, is a `UsageError`."""
+    run = Path(path)
+    if not run.is_dir():
+        raise UsageError(f"{path}: no such run directory")
+    if not (run / "results.jsonl").is_file():
+        raise UsageError(f"{path}: not a contrail run with results (no results.jsonl)")
+    return run
+
+
 def add_training_arguments(parser: argparse.ArgumentParser, lr: float) -> None:
+    """GRPO optimisation options of ``contrail train``."""
     group = parser.add_argument_group("optimisation")
     group.add_argument("--lr", type=float, default=lr)
     group.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
@@ -312,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_envs = sub.add_parser("envs", help="list environments with their difficulties and task counts")
-    p_envs.set_defaults(run=cmd_envs)
+    p_envs.set_defaults(handler=cmd_envs)
 
     p_eval = sub.add_parser("eval", help="evaluate a model on environments' tasks")
     add_model_arguments(p_eval)
@@ -323,29 +374,31 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("-k", type=_positive, default=1, help="samples per task (avg@k, pass@k)")
     p_eval.add_argument("--out", default=None, help="output directory (default runs/eval/<time>)")
     add_rollout_arguments(p_eval)
-    p_eval.set_defaults(run=cmd_eval)
+    p_eval.set_defaults(handler=cmd_eval)
 
     p_audit = sub.add_parser("audit", help="expert and random-action success through the model's parsing path")
     p_audit.add_argument("--env", action="append", required=True, help="environment spec (repeatable)")
     p_audit.add_argument("--split", default="test", choices=["train", "test"])
     p_audit.add_argument("--tasks", type=_positive, default=None, help="tasks per environment (default: all)")
     p_audit.add_argument("-k", type=_positive, default=4, help="random-action samples per task")
-    p_audit.add_argument("--seed", type=int, default=0)
+    p_audit.add_argument("--seed", type=_seed, default=0)
     p_audit.add_argument("--max-episode-tokens", type=_positive, default=32768)
     p_audit.add_argument("--tokenizer", default="smollm2-135m", help="whose tokenizer renders the episodes")
-    p_audit.set_defaults(run=cmd_audit)
+    p_audit.set_defaults(handler=cmd_audit)
 
     p_sft = sub.add_parser("sft", help="behaviour cloning on expert demonstrations (training tasks only)")
     add_model_arguments(p_sft)
     p_sft.add_argument("--env", action="append", required=True, help="environment spec (repeatable)")
+    # Defaults are WarmStart's, so `contrail sft` trains what a run's `model.warmstart: {envs: ...}` trains.
     p_sft.add_argument("--episodes", type=_positive, default=100, help="expert episodes, split over the envs")
     p_sft.add_argument("--epochs", type=_positive, default=2)
     p_sft.add_argument("--batch-size", type=_positive, default=8, help="episodes per optimizer step")
     p_sft.add_argument("--max-episode-tokens", type=_positive, default=2048)
+    p_sft.add_argument("--lr", type=float, default=1e-4)
+    p_sft.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
     p_sft.add_argument("--out", required=True, help="output directory (its model/ is loadable by eval)")
     p_sft.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
-    add_training_arguments(p_sft, lr=1e-4)
-    p_sft.set_defaults(run=cmd_sft)
+    p_sft.set_defaults(handler=cmd_sft)
 
     p_train = sub.add_parser("train", help="GRPO on environments, evaluated before and after on test tasks")
     add_model_arguments(p_train)
@@ -365,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_rollout_arguments(p_train)
     p_train.set_defaults(max_new_tokens=64, max_episode_tokens=2048, batch_episodes=32)
     add_training_arguments(p_train, lr=2e-5)
-    p_train.set_defaults(run=cmd_train)
+    p_train.set_defaults(handler=cmd_train)
 
     p_run = sub.add_parser("run", help="run a continual experiment from YAML")
     p_run.add_argument("experiment", help="experiment YAML, e.g. experiments/quickstart.yaml")
@@ -373,29 +426,41 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--dry-run", action="store_true", help="print the plan without loading a model")
     p_run.add_argument("--resume", action="store_true", help="continue interrupted runs after their last stage")
     p_run.add_argument("--force", action="store_true", help="overwrite finished or unfinished runs")
-    p_run.set_defaults(run=cmd_run)
+    p_run.add_argument("--preset-dir", action="append", metavar="DIR",
+                       help="a folder holding streams/ and strategies/ presets, searched first (repeatable; "
+                            "also $CONTRAIL_PRESET_PATH)")
+    p_run.set_defaults(handler=cmd_run)
 
     p_report = sub.add_parser("report", help="regenerate a run's report files")
-    p_report.add_argument("run", help="run directory")
-    p_report.set_defaults(run=cmd_report)
+    p_report.add_argument("run_dir", metavar="RUN", help="run directory")
+    p_report.set_defaults(handler=cmd_report)
 
     p_compare = sub.add_parser("compare", help="compare runs (mean ± std over seeds)")
     p_compare.add_argument("runs", nargs="+", help="run directories")
-    p_compare.set_defaults(run=cmd_compare)
+    p_compare.set_defaults(handler=cmd_compare)
 
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    from contrail.models import ModelNotFoundError
+def user_errors() -> tuple[type[BaseException], ...]:
+    """contrail's own user-facing errors: one line and exit code 2 (everything else keeps its traceback)."""
+    from contrail.envs import EnvOptionError, UnknownNameError
+    from contrail.experiment import ConfigError
+    from contrail.models import DeviceError, ModelNotFoundError
     from contrail.results import RunExistsError
 
+    return (ConfigError, UnknownNameError, EnvOptionError, DeviceError, ModelNotFoundError, RunExistsError,
+            UsageError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``contrail`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.run(args)
-    except (UnknownNameError, ModelNotFoundError, UsageError, ValueError, RunExistsError, FileNotFoundError) as error:
-        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return args.handler(args)
+    except user_errors() as error:
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         print(f"contrail {args.command}: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,28 +4,40 @@ Every experience's tasks are played ``k`` times each, all environments
 batched together in the same rollouts, and summarised per experience.
 ``avg@k`` (the paper's metric) is the mean over tasks of the success rate of
 the ``k`` samples; ``pass@k`` is the share of tasks solved at least once.
+An episode whose environment raised (in its constructor, ``reset`` or
+``step``) fails and is counted in `EvalResult.errors`; the evaluation goes on.
+
+>>> evaluator = Evaluator(tasks, make_env, experiment.eval_rollout, k=4, seed=derive_seed(0, "eval"))
+>>> results = evaluator(model, tokenizer)        # {experience: EvalResult}
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
+import torch
 
 from contrail.agent.backend import Backend
 from contrail.agent.chat import ChatFormat
 from contrail.agent.rollout import RolloutConfig, Trajectory, rollout
 from contrail.envs.base import Env, Task
+from contrail.policy import Policy
 from contrail.progress import EpisodeProgress
 
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Summary of one experience's evaluation."""
+    """Summary of one experience's evaluation.
+
+    Rates and means are over all ``tasks * k`` episodes (``nan`` when there
+    are none); ``errors`` counts the episodes whose environment raised.
+    """
 
     tasks: int
     k: int
@@ -124,9 +136,67 @@ def evaluate(
                     backend, chat, [job[1] for job in batch], make_env, config,
                     samples=[job[2] for job in batch], on_turn=progress.turn_done, on_episode=record,
                 )
-                for job, traj in zip(batch, trajectories):
+                for job, traj in zip(batch, trajectories, strict=True):
                     results[job[0]].append(traj)
     finally:
         if sink:
             sink.close()
     return {name: summarize(trajs, k) for name, trajs in results.items()}
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's global random state on exit.
+
+    Evaluation between stages must not move the training's random streams:
+    a run resumed from a checkpoint (saved before the evaluation) then
+    continues exactly as the uninterrupted run did.
+    """
+    python, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy_state)
+
+
+class Evaluator:
+    """Evaluates a model on fixed tasks per experience, sampling from the same seed on every call.
+
+    Every call plays the same episodes (``tasks`` x ``k``) from a fresh
+    sampling generator seeded with ``seed``, so two rows differ because the
+    model changed, not because the sampling did. The global random state is
+    left as it was (`preserved_rng`).
+
+    Args:
+        tasks: test tasks keyed by experience name.
+        make_env: builds a fresh environment for a task.
+        rollout: limits and sampling of evaluation episodes (``Experiment.eval_rollout``).
+        k: samples per task.
+        batch_episodes: episodes per batched rollout.
+        seed: the sampling seed (``derive_seed(root, "eval")`` in a run).
+        show_progress: show a progress bar.
+    """
+
+    def __init__(self, tasks: dict[str, list[Task]], make_env: Callable[[Task], Env], rollout: RolloutConfig,
+                 *, k: int, batch_episodes: int = 64, seed: int = 0, show_progress: bool = True) -> None:
+        self.tasks, self.make_env, self.rollout = tasks, make_env, rollout
+        self.k, self.batch_episodes, self.seed, self.show_progress = k, batch_episodes, seed, show_progress
+
+    def __call__(self, model, tokenizer, *, trajectories_path: str | Path | None = None,
+                 description: str = "evaluating", autocast_bf16: bool = False) -> dict[str, EvalResult]:
+        """Evaluate ``model``; with ``trajectories_path``, (re)write the episodes there as JSON lines."""
+        if trajectories_path is not None:
+            Path(trajectories_path).unlink(missing_ok=True)  # a rerun replaces, never appends
+        was_training = model.training
+        model.eval()
+        try:
+            with preserved_rng():
+                policy = Policy.from_model(model, tokenizer, seed=self.seed, autocast_bf16=autocast_bf16)
+                return evaluate(policy.backend, policy.chat, self.tasks, self.make_env, k=self.k,
+                                config=self.rollout, batch_episodes=self.batch_episodes,
+                                trajectories_path=trajectories_path, description=description,
+                                show_progress=self.show_progress)
+        finally:
+            model.train(was_training)

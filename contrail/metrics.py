@@ -14,7 +14,17 @@ backward_transfer      R[S, j] - R[s_j, j]                             j ∈ L, 
 forgetting             max(R[s_j .. S-1, j]) - R[S, j]                 j ∈ L, s_j < S
 forward_transfer       R[s_j - 1, j] - R[0, j]                         j ∈ L, s_j ≥ 2
 heldout_gain           R[S, h] - R[0, h]                               h ∈ H
+delta_held_in          R[S, j] - R[0, j]                               j ∈ L
+delta_held_out         R[S, h] - R[0, h]  (= heldout_gain)             h ∈ H
+delta_overall          R[S, j] - R[0, j]                               every test experience j
 =====================  ==============================================  ===========================
+
+The three Δ measures are the paper's ΔHeld-In, ΔHeld-Out and ΔOverall: the
+change from the start model averaged over the trained experiences, the
+held-out ones and all of them. `deltas_by_row` gives them after every stage
+``s``: held-in there averages over the experiences trained by then
+(``s_j ≤ s``), so an experience not trained yet counts as neither held in nor
+held out until its stage (its change is forward transfer).
 
 Each is the mean over its set, and ``nan`` when the set is empty (a
 single-stage mixture has ``S = 1``, so nothing is trained before the last
@@ -30,7 +40,12 @@ from collections.abc import Sequence
 import numpy as np
 
 __all__ = [
+    "DELTAS",
     "backward_transfer",
+    "delta_held_in",
+    "delta_held_out",
+    "delta_overall",
+    "deltas_by_row",
     "final_performance",
     "forgetting",
     "forward_transfer",
@@ -102,14 +117,57 @@ def heldout_gain(R: np.ndarray, trained_at: TrainedAt) -> float:
     return _mean([R[last, h] - R[0, h] for h, s in enumerate(stages) if s is None])
 
 
+def delta_held_in(R: np.ndarray, trained_at: TrainedAt) -> float:
+    """ΔHeld-In: ``mean_{j∈L} (R[S, j] - R[0, j])``, the change on the trained experiences."""
+    R, stages = _validate(R, trained_at)
+    last = R.shape[0] - 1
+    return _mean([R[last, j] - R[0, j] for j, s in enumerate(stages) if s is not None])
+
+
+def delta_held_out(R: np.ndarray, trained_at: TrainedAt) -> float:
+    """ΔHeld-Out: ``mean_{h∈H} (R[S, h] - R[0, h])``; the same number as `heldout_gain`."""
+    return heldout_gain(R, trained_at)
+
+
+def delta_overall(R: np.ndarray, trained_at: TrainedAt) -> float:
+    """ΔOverall: ``mean_j (R[S, j] - R[0, j])`` over every test experience, trained or not."""
+    R, _ = _validate(R, trained_at)
+    return _mean(list(R[-1] - R[0]))
+
+
+DELTAS = ("delta_held_in", "delta_held_out", "delta_overall")
+
+
+def deltas_by_row(R: np.ndarray, trained_at: TrainedAt) -> dict[str, np.ndarray]:
+    """ΔHeld-In, ΔHeld-Out and ΔOverall after every stage: arrays of length ``S + 1``.
+
+    Row ``s``: held-in averages ``R[s, j] - R[0, j]`` over ``s_j ≤ s`` (trained
+    by then), held-out over ``H``, overall over every column. Row 0 is ``nan``
+    for held-in (nothing is trained yet) and 0 for the others. The last entry
+    equals `delta_held_in` / `delta_held_out` / `delta_overall`.
+    """
+    R, stages = _validate(R, trained_at)
+    out = {name: np.full(R.shape[0], math.nan) for name in DELTAS}
+    for row in range(R.shape[0]):
+        change = R[row] - R[0]
+        out["delta_held_in"][row] = _mean([change[j] for j, s in enumerate(stages) if s is not None and s <= row])
+        out["delta_held_out"][row] = _mean([change[j] for j, s in enumerate(stages) if s is None])
+        out["delta_overall"][row] = _mean(list(change))
+    return out
+
+
 def summarize(R: np.ndarray, trained_at: TrainedAt) -> dict[str, float]:
-    """All five metrics by name (``nan`` where a metric's set is empty)."""
+    """Every metric by name (``nan`` where a metric's set is empty): the five
+    continual-learning metrics, then ΔHeld-In, ΔHeld-Out, ΔOverall."""
     return {
         "final_performance": final_performance(R, trained_at),
         "backward_transfer": backward_transfer(R, trained_at),
         "forgetting": forgetting(R, trained_at),
         "forward_transfer": forward_transfer(R, trained_at),
         "heldout_gain": heldout_gain(R, trained_at),
+        "delta_held_in": delta_held_in(R, trained_at),
+        "delta_held_out": delta_held_out(R, trained_at),
+        "delta_overall": delta_overall(R, trained_at),
     }
 
 

@@ -12,6 +12,7 @@ as safetensors in the cache, so every later load is a plain, fast load.
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -20,9 +21,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from contrail.paths import cache_root
-
 import torch
+
+from contrail.paths import cache_root
 
 EMBEDDED_ALIAS = "smollm2-135m"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -32,6 +33,65 @@ _GGUF_PACKAGE_VERSION = "0.1.2"
 
 class ModelNotFoundError(FileNotFoundError):
     """A model could not be found; the message lists what was tried."""
+
+
+class DeviceError(ValueError):
+    """A device name that is not one torch knows, or names hardware this machine lacks."""
+
+
+DEVICES = "auto, cpu, cuda, cuda:N, mps"
+_DEVICE = re.compile(r"^(auto|cpu|mps|cuda)(?::(\d+))?$")
+
+
+def check_device_name(device: str) -> str:
+    """``device`` if it is a device name contrail accepts (``DEVICES``); otherwise a `DeviceError`."""
+    match = _DEVICE.match(device) if isinstance(device, str) else None
+    if match is None or (match.group(2) is not None and match.group(1) != "cuda"):
+        raise DeviceError(f"device {device!r} is not a device; valid: {DEVICES}")
+    return device
+
+
+def check_device(device: str) -> str:
+    """``device`` if this machine has it (``auto`` always); otherwise a one-line `DeviceError`.
+
+    Checked when a config loads, so a run never gets as far as torch's own
+    assertion (``Torch not compiled with CUDA enabled``).
+    """
+    kind, _, index = check_device_name(device).partition(":")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise DeviceError(f"device {device!r} is not available: torch sees no CUDA device here; "
+                              f"valid here: {', '.join(available_devices())}")
+        if index and int(index) >= count:
+            raise DeviceError(f"device {device!r} is not available: this machine has {count} CUDA device(s); "
+                              f"valid here: {', '.join(available_devices())}")
+    if kind == "mps" and not _mps_available():
+        raise DeviceError(f"device 'mps' is not available here; valid here: {', '.join(available_devices())}")
+    return device
+
+
+def available_devices() -> list[str]:
+    """The device names this machine can run on."""
+    names = ["auto", "cpu"]
+    if torch.cuda.is_available():
+        names += ["cuda", *(f"cuda:{i}" for i in range(torch.cuda.device_count()))]
+    if _mps_available():
+        names.append("mps")
+    return names
+
+
+def resolve_device(device: str) -> str:
+    """A concrete device for ``device``: ``auto`` is cuda when available, else cpu (mps only when asked)."""
+    check_device(device)
+    if device != "auto":
+        return device
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
 
 
 def cache_dir() -> Path:
@@ -180,9 +240,13 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str | No
     """Load ``(model, tokenizer)`` for a HF id, a local path, a checkpoint or the embedded alias.
 
     A directory holding a LoRA adapter (``adapter_config.json``) is loaded on
-    its base model with peft.
+    its base model with peft. ``device`` (``auto``, ``cpu``, ``cuda[:N]``,
+    ``mps``) is checked first: one this machine lacks is a `DeviceError`, not
+    torch's assertion; ``None`` leaves the model where it loads (the CPU).
     """
     from transformers import AutoModelForCausalLM
+
+    device = resolve_device(device) if device is not None else None
 
     source = resolve(name)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -2,10 +2,10 @@
 
 Layout of ``runs/<name>/``::
 
-    config.yaml            the resolved experiment config (written by `RunDir.start`)
+    config.yaml            the experiment (``Experiment.to_yaml()``, written by `RunDir.start`)
     plan.json              the stages and test experiences (written by the runner)
     results.jsonl          row 0 = the untouched model, row s = after stage s
-    checkpoints/stage-03/  the model (and trainer state) after stage 3
+    checkpoints/stage-03/  the model after stage 3 (and the trainer state, for the last recorded stage)
     trajectories/stage-03.jsonl   the evaluation episodes after stage 3
     FINISHED               present once every stage is recorded
     report.md  matrix.csv  heatmap.png  success_by_stage.png
@@ -17,7 +17,7 @@ overwritten without ``force``; an unfinished one is continued with ``resume``
 (only if its config matches) or restarted with ``force``.
 
 >>> run = RunDir("runs/quickstart")
->>> run.start(config, resume=True)
+>>> run.start(experiment.to_yaml(), resume=True)
 >>> run.completed_stages()        # -1: nothing yet, 0: row 0 only, s: stage s recorded
 """
 
@@ -68,30 +68,32 @@ class RunDir:
         self.path = Path(path)
 
     # --- lifecycle --------------------------------------------------------------
-    def start(self, config: dict[str, Any], resume: bool = False, force: bool = False) -> None:
-        """Prepare the directory for a run of ``config``.
+    def start(self, config: str | dict[str, Any], resume: bool = False, force: bool = False) -> None:
+        """Prepare the directory for a run of ``config`` (YAML text, written as it is, or a mapping).
 
         - new or empty directory: create it and write ``config.yaml``;
-        - finished run: `RunExistsError` unless ``force`` (then wipe and start over);
-        - unfinished run: `RunExistsError` unless ``resume`` (the saved config must
-          equal ``config`` outside `RESULT_NEUTRAL_KEYS`; the error lists the keys that
-          differ) or ``force`` (wipe and start over).
+        - with ``force``: wipe a run (finished or not) and start over;
+        - with ``resume``: continue the run, finished or not, if the saved config
+          equals ``config`` outside `RESULT_NEUTRAL_KEYS` (else `RunExistsError`
+          listing the keys that differ);
+        - otherwise a run there is a `RunExistsError` saying what to do.
 
         A non-empty directory that is not a run is never wiped.
         """
+        text = config if isinstance(config, str) else yaml.safe_dump(config, sort_keys=False)
         if self.path.exists() and not self.path.is_dir():
             raise RunExistsError(f"{self.path} exists and is not a directory")
         if self._is_run():
             if force:
                 shutil.rmtree(self.path)
+            elif resume:
+                self._check_resumable(yaml.safe_load(text) or {})
+                return
             elif self.finished():
                 raise RunExistsError(
                     f"{self.path} holds a finished run ({self.completed_stages()} stages); "
                     "use --force to delete it and start over, or choose another output directory"
                 )
-            elif resume:
-                self._check_resumable(config)
-                return
             else:
                 raise RunExistsError(
                     f"{self.path} holds an unfinished run ({max(self.completed_stages(), 0)} stages recorded); "
@@ -102,7 +104,7 @@ class RunDir:
                 f"{self.path} is not empty and holds no contrail run (no {CONFIG}); refusing to use it"
             )
         self.path.mkdir(parents=True, exist_ok=True)
-        _atomic_write(self.path / CONFIG, yaml.safe_dump(config, sort_keys=False))
+        _atomic_write(self.path / CONFIG, text)
 
     def _is_run(self) -> bool:
         return (self.path / CONFIG).is_file()
@@ -113,8 +115,8 @@ class RunDir:
         if differ:
             details = "; ".join(f"{k}: saved {_lookup(saved, k)!r}, now {_lookup(config, k)!r}" for k in differ)
             raise RunExistsError(
-                f"cannot resume {self.path}: the config differs in {', '.join(differ)} ({details}); "
-                "restore those values, or use --force to start over"
+                f"cannot resume {self.path}: it holds a different experiment; the config differs in "
+                f"{', '.join(differ)} ({details}); restore those values, or use --force to start over"
             )
 
     def config(self) -> dict[str, Any]:

@@ -1,54 +1,74 @@
 """The experiment loop: plan → evaluate the start model → (train stage → evaluate → record) per stage.
 
-Data flows one way: the strategy plans stages over the stream; the GRPO
-trainer trains each stage; after every stage the model is evaluated on every
-test experience and the row is written at once (atomically), after the
-stage's checkpoint, so a killed run resumes after its last completed stage.
+One `Experiment` value drives everything. The runner warm-starts the model
+if asked (cached), loads the start model once, measures its base success if
+the strategy orders stages by it, plans the stages once and writes them to
+``plan.json``; then per stage it calls the strategy's ``before_stage`` hook,
+trains, calls ``after_stage``, saves a checkpoint, evaluates every test
+experience and appends the stage's row (atomically). Every seed is derived
+from ``experiment.seed`` by name (`contrail.seeds.derive_seed`).
 
->>> stream = Stream.from_specs(["babyai:easy", "textcraft:easy"], test_tasks=10)
->>> result = run(stream, Sequential(steps_per_experience=5), model="smollm2-135m", out="runs/demo")
->>> result.matrix, result.metrics
+Resuming works after a kill at any moment and reproduces the uninterrupted
+run exactly: the stages are replayed from ``plan.json`` (the strategy must
+plan them again, identically); training continues from the checkpoint of the
+last *recorded* stage, whose optimizer state (and the strategy's own state,
+if it has one) is kept until the next row is written; checkpoints are
+written to a staging directory and renamed into place; evaluation leaves
+the global random state alone, so a checkpoint saved before it resumes the
+same streams; ``grpo_log.jsonl`` is cut back to the checkpoint's step; a KL
+reference stays the start model; and a finished run gets its report rebuilt.
+
+>>> experiment = load_experiment("experiments/quickstart.yaml")
+>>> result = run(experiment)                       # into experiment.out
+>>> result.matrix(), result.metrics
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from accelerate import PartialState
 
-from contrail.agent.rollout import RolloutConfig
-from contrail.config import EvalConfig
-from contrail.evaluation import EvalResult, evaluate, select_tasks
-from contrail.experiment import to_plan_json
-from contrail.grpo.config import GRPOConfig
-from contrail.grpo.trainer import GRPOTrainer
+from contrail.evaluation import EvalResult, Evaluator, select_tasks
 from contrail.metrics import summarize
 from contrail.models import load_model
-from contrail.policy import Policy
 from contrail.progress import console
-from contrail.results import RunDir, result_matrix
-from contrail.strategies import Strategy
+from contrail.results import RunDir, RunExistsError, result_matrix
+from contrail.seeds import derive_seed
+from contrail.strategies import Stage, stage_sampler
 from contrail.stream import Stream, env_factory
-from contrail.train.demos import DemoSpec
-from contrail.train.sft import SFTConfig, warmstart
+from contrail.train.sft import warmstart
 
+if TYPE_CHECKING:
+    from contrail.experiment import Experiment
+    from contrail.grpo.trainer import GRPOTrainer
+    from contrail.strategies import Strategy
 
-@dataclass
-class WarmStart:
-    """A behaviour-cloning warm-start applied to the model before row 0 (cached and reused)."""
+__all__ = ["BASE_SUCCESS_TASKS", "RunResult", "measure_base_success", "run"]
 
-    demos: DemoSpec
-    sft: SFTConfig = field(default_factory=SFTConfig)
+PLAN = "plan.json"
+GRPO_LOG = "grpo_log.jsonl"
+TRAINER_STATE = "trainer_state.pt"
+STRATEGY_STATE = "strategy_state.safetensors"
+BASE_SUCCESS_TASKS = 16   # training tasks per experience the base success is measured on
+BASE_SUCCESS_K = 2        # samples per task for the base success
 
 
 @dataclass
 class RunResult:
-    """What a finished (or resumed-to-the-end) run measured."""
+    """What a finished (or resumed-to-the-end) run measured.
+
+    ``test`` names the test experiences (the matrix's columns) and
+    ``trained_at[j]`` is the 1-based stage that first trains ``test[j]``
+    (``None``: held out); ``rows`` are the parsed ``results.jsonl`` rows.
+    """
 
     path: Path
     test: list[str]
@@ -56,125 +76,283 @@ class RunResult:
     rows: list[dict[str, Any]]
 
     def matrix(self, measure: str = "avg_at_k") -> np.ndarray:
-        """The stage × experience matrix R (row 0: the start model)."""
+        """The stage × experience matrix R of ``measure`` (row 0: the start model)."""
         return result_matrix(self.rows, self.test, measure)
 
     @property
     def metrics(self) -> dict[str, float]:
+        """The continual-learning metrics of the avg@k matrix (``nan`` where undefined)."""
         return summarize(self.matrix(), self.trained_at)
 
 
-def run(
-    stream: Stream,
-    strategy: Strategy,
-    model: str = "smollm2-135m",
-    out: str | Path = "runs/experiment",
-    grpo: GRPOConfig | None = None,
-    eval: EvalConfig | None = None,  # noqa: A002 - mirrors the config section's name
-    warm_start: WarmStart | None = None,
-    dtype: str = "float32",
-    device: str = "cpu",
-    seed: int = 0,
-    resume: bool = False,
-    force: bool = False,
-    config: dict[str, Any] | None = None,
-    show_progress: bool = True,
-) -> RunResult:
-    """Train ``stream`` with ``strategy`` stage by stage, evaluating every test experience after each.
+def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool = False, force: bool = False,
+        show_progress: bool = True) -> RunResult:
+    """Run ``experiment`` stage by stage, evaluating every test experience after each; return the result.
 
-    ``config`` is the resolved experiment configuration saved in the run
-    directory (a resumed run must match it); by default it is built from the
-    arguments.
+    Args:
+        experiment: the whole run (stream, strategy, model and warm-start, rollout,
+            GRPO, evaluation, root seed). Saved as ``config.yaml`` (``experiment.to_yaml()``).
+        out: the run directory; ``None`` uses ``experiment.out``.
+        resume: continue an unfinished run in ``out`` (its ``config.yaml`` must
+            describe the same experiment, up to result-neutral keys such as the
+            device; the error lists the keys that differ). A finished run is
+            returned as it is, its report rebuilt if missing.
+        force: delete the run in ``out`` (finished or not) and start over.
+        show_progress: show progress bars (rows are printed either way).
+
+    Raises:
+        RunExistsError: ``out`` holds a run that ``resume``/``force`` do not allow
+            to continue or overwrite, or a directory that is not a run.
     """
-    grpo = grpo or GRPOConfig(seed=seed)
-    eval = eval or EvalConfig()
-    # Under `accelerate launch` every process trains; only the main one evaluates and writes.
-    processes = PartialState()
-    main = processes.is_main_process
-    run_dir = RunDir(out)
-    if main:
-        run_dir.start(config or _default_config(stream, strategy, model, grpo, eval, warm_start, dtype, seed),
-                      resume=resume, force=force)
+    experiment.check()  # environments, strategy, device: fail before anything is written
+    run_dir = RunDir(out if out is not None else experiment.out)
+    processes = PartialState()  # under `accelerate launch` every process trains; the main one writes
+    if processes.is_main_process:
+        run_dir.start(experiment.to_yaml(), resume=resume, force=force)
     processes.wait_for_everyone()
+    if run_dir.finished():
+        return _finish(run_dir, processes)
 
-    start_model = str(warmstart(model, warm_start.demos, warm_start.sft, dtype, show_progress)) if warm_start else model
-    base_success = _base_success(stream, strategy, start_model, eval, dtype, device, seed)
-    stages = strategy.plan(stream, base_success)
-    trained_at = stream.trained_at([stage.experiences for stage in stages])
-    plan = to_plan_json(stream, stages, start_model=start_model,
-                        warmstart=_describe_warm_start(warm_start, model))
-    plan["base_success"] = base_success
-    if main:
-        _write_json(run_dir.path / "plan.json", plan)
+    stream = _build_stream(experiment)
+    strategy = _build_strategy(experiment)
+    done = run_dir.completed_stages()  # -1: nothing yet; 0: row 0 only; s: stage s recorded
+    saved_plan = _read_plan(run_dir)  # None unless resuming a run that got past planning
+    if saved_plan is not None and done >= len(saved_plan["stages"]):
+        return _finish(run_dir, processes)  # killed after the last row, before FINISHED
 
-    done = run_dir.completed_stages()  # -1: nothing yet; 0: row 0 only; s: stage s finished
-    load_from = str(run_dir.checkpoint_dir(done) / "model") if done >= 1 else start_model
-    policy_model, tokenizer = load_model(load_from, dtype=dtype, device=device)
-    trainer = GRPOTrainer(policy_model, tokenizer, grpo, env_factory(stream.experiences),
-                          log_dir=run_dir.path, show_progress=show_progress)
+    start_model = _start_model(experiment, show_progress)
+    model, tokenizer = _load(experiment, run_dir, done, start_model)
+    if saved_plan is None and processes.is_main_process:  # one process measures; every process reads plan.json
+        _write_json(run_dir.path / PLAN,
+                    _make_plan(experiment, stream, strategy, model, tokenizer, start_model, show_progress))
+    processes.wait_for_everyone()
+    stages = _replay_plan(run_dir, experiment, stream, strategy)
+
+    trainer = _make_trainer(experiment, stream, model, tokenizer, run_dir, show_progress)
     if done >= 1:
         trainer.load_state(run_dir.checkpoint_dir(done))
+        _load_strategy_state(strategy, run_dir.checkpoint_dir(done))
+        _restore_reference(trainer, experiment, start_model)
         console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
-    evaluator = _Evaluator(trainer, stream, eval, seed, run_dir, show_progress)
-
-    if done < 0 and main:
-        row0 = "warm-start" if warm_start else "untouched"
-        _record(run_dir, 0, row0, [], evaluator(0), {}, 0.0)
+    if processes.is_main_process:
+        _truncate_log(run_dir.path / GRPO_LOG, trainer.step_count)
+        _drop_stale_checkpoints(run_dir, done)
+    evaluator = _make_evaluator(experiment, stream, show_progress)
+    if done < 0 and processes.is_main_process:
+        row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
+        _record(run_dir, 0, row0, [], _evaluate(evaluator, trainer, run_dir, 0, experiment), {}, 0.0)
     processes.wait_for_everyone()
     for stage in stages[max(done, 0):]:
-        started = time.perf_counter()
-        # Checkpoints are written at stage ends and every stage has its own seeded
-        # sampler, so a resumed stage replays exactly as it would have run.
-        strategy.before_stage(stage, trainer)
-        history = trainer.train(stage.sampler, stage.steps, description=f"stage {stage.index}/{len(stages)} {stage.name}")
-        strategy.after_stage(stage, trainer)
-        trainer.save(run_dir.checkpoint_dir(stage.index), sampler=stage.sampler, extra={"stage": stage.index})
-        if main:
-            _drop_optimizer_state(run_dir, stage.index)
-            _record(run_dir, stage.index, stage.name, stage.experiences, evaluator(stage.index),
-                    _train_summary(history), time.perf_counter() - started)
-        processes.wait_for_everyone()
+        _run_stage(stage, len(stages), strategy, trainer, stream, evaluator, run_dir, experiment, processes)
     trainer.accelerator.end_training()
-    if main:
-        run_dir.mark_finished()
-        _write_report(run_dir.path)
-    return RunResult(run_dir.path, [e.name for e in stream.test], trained_at, run_dir.rows())
+    return _finish(run_dir, processes)
 
 
-class _Evaluator:
-    """Evaluates the training model on every test experience, sampling from the same seed at every stage."""
-
-    def __init__(self, trainer: GRPOTrainer, stream: Stream, eval: EvalConfig, seed: int, run_dir: RunDir,
-                 show_progress: bool):
-        self.trainer, self.eval, self.seed, self.run_dir = trainer, eval, seed, run_dir
-        self.tasks = {e.name: e.test_tasks for e in stream.test}
-        self.make_env = env_factory(stream.experiences)
-        self.show_progress = show_progress
-        self.config = RolloutConfig(eval.max_new_tokens, eval.max_episode_tokens, eval.temperature, 1.0, eval.max_turns)
-
-    def __call__(self, stage: int) -> dict[str, EvalResult]:
-        # Same seed at every stage: differences between rows come from the model, not the sampling.
-        policy = Policy.from_model(self.trainer.model, self.trainer.trainer.tokenizer, seed=self.seed + 10_007,
-                                   autocast_bf16=self.trainer.config.precision == "bf16")
-        path = self.run_dir.trajectories_path(stage)
-        path.unlink(missing_ok=True)
-        return evaluate(policy.backend, policy.chat, self.tasks, self.make_env, k=self.eval.k, config=self.config,
-                        batch_episodes=self.eval.batch_episodes, trajectories_path=path,
-                        description=f"evaluating after stage {stage}" if stage else "evaluating the start model",
-                        show_progress=self.show_progress)
+# --- setup -------------------------------------------------------------------------------------
 
 
-def _record(run_dir: RunDir, stage: int, name: str, trained: list[str], results: dict[str, EvalResult],
+def _build_stream(experiment: Experiment) -> Stream:
+    from contrail.experiment import build_stream
+
+    return build_stream(experiment)
+
+
+def _build_strategy(experiment: Experiment) -> Strategy:
+    from contrail.experiment import build_strategy
+
+    return build_strategy(experiment)
+
+
+def _start_model(experiment: Experiment, show_progress: bool) -> str:
+    """The model row 0 evaluates: the configured one, or its (cached) warm-start."""
+    spec = experiment.model
+    if spec.warmstart is None:
+        return spec.name
+    path = warmstart(spec.name, spec.warmstart, seed=derive_seed(experiment.seed, "warmstart"),
+                     dtype=spec.dtype, show_progress=show_progress)
+    return str(path)
+
+
+def _load(experiment: Experiment, run_dir: RunDir, done: int, start_model: str):
+    """Load the one model of the run: the start model, or the last recorded stage's checkpoint."""
+    source = str(run_dir.checkpoint_dir(done) / "model") if done >= 1 else start_model
+    device = experiment.model.device
+    # "auto": the trainer's accelerator places the model (one device per process).
+    return load_model(source, dtype=experiment.model.dtype, device=None if device == "auto" else device)
+
+
+def _make_plan(experiment: Experiment, stream: Stream, strategy: Strategy, model, tokenizer, start_model: str,
+               show_progress: bool) -> dict[str, Any]:
+    """``plan.json``: everything the report needs besides the rows and trajectories."""
+    base_success = None
+    if strategy.needs_base_success:
+        base_success = measure_base_success(model, tokenizer, stream, experiment, show_progress=show_progress)
+    stages = _plan_stages(strategy, stream, experiment, base_success)
+    warm = experiment.model.warmstart
+    return {
+        "test": [e.name for e in stream.test],
+        "trained_at": stream.trained_at([stage.new for stage in stages]),
+        "stages": [stage.to_dict() for stage in stages],
+        "start_model": start_model,
+        "warmstart": None if warm is None else {"base_model": experiment.model.name, **dataclasses.asdict(warm)},
+        "base_success": base_success,
+        "label": _label(experiment),
+        "seed": experiment.seed,
+    }
+
+
+def _plan_stages(strategy: Strategy, stream: Stream, experiment: Experiment,
+                 base_success: dict[str, float] | None) -> list[Stage]:
+    # Strategies that keep what plan() saw (EWC: the stages' tasks) get their plan() call in every process.
+    return strategy.plan(stream, seed=experiment.seed, base_success=base_success)
+
+
+def _replay_plan(run_dir: RunDir, experiment: Experiment, stream: Stream, strategy: Strategy) -> list[Stage]:
+    """The stages of ``plan.json``, which the strategy (given the recorded base success) must plan again.
+
+    Training follows the recorded plan, also after a resume; a strategy that
+    now plans differently (changed code) would silently train another run,
+    so that is refused.
+    """
+    plan = _read_plan(run_dir)
+    recorded = [Stage.from_dict(d) for d in plan["stages"]]
+    stages = _plan_stages(strategy, stream, experiment, plan.get("base_success"))
+    if stages != recorded:
+        raise RunExistsError(
+            f"cannot continue {run_dir.path}: strategy {experiment.strategy.name!r} now plans other stages "
+            f"than {run_dir.path / PLAN} records; use --force to start over"
+        )
+    return recorded
+
+
+def _label(experiment: Experiment) -> str:
+    from contrail.experiment import run_label
+
+    return experiment.label or run_label(experiment)
+
+
+def measure_base_success(model, tokenizer, stream: Stream, experiment: Experiment, *,
+                         show_progress: bool = False) -> dict[str, float]:
+    """The start model's avg@k on a seeded sample of each training experience's train tasks.
+
+    ``BASE_SUCCESS_TASKS`` tasks per experience, ``BASE_SUCCESS_K`` samples
+    each, with the evaluation's rollout settings; the task sample and the
+    sampling both come from ``derive_seed(experiment.seed, "base-success")``.
+    """
+    seed = derive_seed(experiment.seed, "base-success")
+    tasks = {e.name: select_tasks(e.train_tasks, BASE_SUCCESS_TASKS, seed) for e in stream.train}
+    evaluator = Evaluator(tasks, env_factory(stream.train), experiment.eval_rollout, k=BASE_SUCCESS_K,
+                          batch_episodes=experiment.eval.batch_episodes, seed=seed, show_progress=show_progress)
+    results = evaluator(model, tokenizer, description="measuring base success for the curriculum")
+    return {name: r.avg_at_k for name, r in results.items()}
+
+
+def _make_trainer(experiment: Experiment, stream: Stream, model, tokenizer, run_dir: RunDir,
+                  show_progress: bool) -> GRPOTrainer:
+    from contrail.grpo.trainer import GRPOTrainer
+
+    return GRPOTrainer(model, tokenizer, experiment.grpo, experiment.rollout, env_factory(stream.experiences),
+                       seed=experiment.seed, log_dir=run_dir.path, show_progress=show_progress)
+
+
+def _restore_reference(trainer: GRPOTrainer, experiment: Experiment, start_model: str) -> None:
+    """Give a resumed trainer the run's start model as its KL reference (``grpo.beta > 0``).
+
+    The trainer freezes a copy of the model it is built with; after a resume
+    that is the checkpoint's, so the start model's weights are loaded into it.
+    With LoRA the reference is the (unchanged) base model under the adapter.
+    """
+    if trainer.reference is None or experiment.grpo.lora:
+        return
+    start, _ = load_model(start_model, dtype=experiment.model.dtype)
+    trainer.reference.load_state_dict(start.state_dict())
+    del start
+
+
+def _make_evaluator(experiment: Experiment, stream: Stream, show_progress: bool) -> Evaluator:
+    # One seed for every row: differences between rows come from the model, not the sampling.
+    return Evaluator({e.name: e.test_tasks for e in stream.test}, env_factory(stream.experiences),
+                     experiment.eval_rollout, k=experiment.eval.k, batch_episodes=experiment.eval.batch_episodes,
+                     seed=derive_seed(experiment.seed, "eval"), show_progress=show_progress)
+
+
+# --- one stage ---------------------------------------------------------------------------------
+
+
+def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTrainer, stream: Stream,
+               evaluator: Evaluator, run_dir: RunDir, experiment: Experiment, processes: PartialState) -> None:
+    """Train ``stage``, checkpoint it, evaluate, record its row, then drop state it made unneeded."""
+    started = time.perf_counter()
+    sampler = stage_sampler(stage, stream)  # from the plain-data stage: plan.json replays exactly
+    strategy.before_stage(stage, trainer)
+    history = trainer.train(sampler, stage.steps, description=f"stage {stage.index}/{total} {stage.name}")
+    strategy.after_stage(stage, trainer)
+    _save_checkpoint(trainer, strategy, run_dir, stage.index, sampler, processes)
+    if processes.is_main_process:
+        results = _evaluate(evaluator, trainer, run_dir, stage.index, experiment)
+        _record(run_dir, stage.index, stage.name, list(stage.new), results, _train_summary(history),
+                time.perf_counter() - started)
+        # Only now is the previous stage's optimizer state unneeded: a kill before this row resumes from it.
+        _drop_stale_checkpoints(run_dir, stage.index)
+    processes.wait_for_everyone()
+
+
+def _save_checkpoint(trainer: GRPOTrainer, strategy: Strategy, run_dir: RunDir, stage: int, sampler,
+                     processes: PartialState) -> None:
+    """Save into a staging directory and rename it into place, so a checkpoint is whole or absent."""
+    target = run_dir.checkpoint_dir(stage)
+    staging = target.with_name(target.name + ".partial")
+    if processes.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)  # left by a kill during an earlier save
+    processes.wait_for_everyone()
+    trainer.save(staging, sampler=sampler, extra={"stage": stage})
+    if processes.is_main_process:
+        _save_strategy_state(strategy, staging)
+        # A checkpoint of this stage left by a run killed before its row is stale: replace it.
+        shutil.rmtree(target, ignore_errors=True)
+        staging.replace(target)
+    processes.wait_for_everyone()
+
+
+def _save_strategy_state(strategy: Strategy, directory: Path) -> None:
+    """What a strategy carries from one stage to the next (an EWC Fisher, say), if it says so.
+
+    A strategy with ``state_dict() -> dict[str, Tensor]`` and
+    ``load_state_dict(state)`` gets that state saved beside the trainer's
+    (safetensors: tensors only) and restored on resume, so a resumed stage
+    sees what its predecessor's ``after_stage`` left.
+    """
+    state_dict = getattr(strategy, "state_dict", None)
+    if callable(state_dict):
+        from safetensors.torch import save_file
+
+        state = {name: tensor.detach().cpu().contiguous() for name, tensor in state_dict().items()}
+        save_file(state, str(directory / STRATEGY_STATE))
+
+
+def _load_strategy_state(strategy: Strategy, directory: Path) -> None:
+    path = directory / STRATEGY_STATE
+    if path.is_file() and callable(getattr(strategy, "load_state_dict", None)):
+        from safetensors.torch import load_file
+
+        strategy.load_state_dict(load_file(str(path)))
+
+
+def _evaluate(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir, stage: int,
+              experiment: Experiment) -> dict[str, EvalResult]:
+    description = f"evaluating after stage {stage}" if stage else "evaluating the start model"
+    return evaluator(trainer.model, trainer.tokenizer, trajectories_path=run_dir.trajectories_path(stage),
+                     description=description, autocast_bf16=experiment.grpo.precision == "bf16")
+
+
+def _record(run_dir: RunDir, stage: int, name: str, trained: Sequence[str], results: dict[str, EvalResult],
             train: dict[str, Any], seconds: float) -> None:
     row = {"stage": stage, "name": name, "trained": list(trained),
            "results": {k: r.to_dict() for k, r in results.items()}, "train": train, "wall_seconds": seconds}
     run_dir.append_row(row)
-    _print_row(row)
-
-
-def _print_row(row: dict[str, Any]) -> None:
-    cells = "  ".join(f"{name} {r['avg_at_k']:.2f}" for name, r in row["results"].items())
-    console.print(f"[bold]row {row['stage']}[/] ({row['name']}): avg@k  {cells}")
+    cells = "  ".join(f"{n} {r.avg_at_k:.2f}" for n, r in results.items())
+    errors = sum(r.errors for r in results.values())
+    console.print(f"[bold]row {stage}[/] ({name}): avg@k  {cells}" + (f"  ({errors} env errors)" if errors else ""))
 
 
 def _train_summary(history: list[dict[str, float]]) -> dict[str, Any]:
@@ -186,55 +364,81 @@ def _train_summary(history: list[dict[str, float]]) -> dict[str, Any]:
         "first": {k: history[0].get(k) for k in keys},
         "last": {k: history[-1].get(k) for k in keys},
         "mean_success_rate": float(np.mean([h["success_rate"] for h in history])),
-        "seconds": float(sum(h["step_seconds"] for h in history)),
+        "episode_errors": float(sum(h.get("episode_errors", 0.0) for h in history)),
+        "seconds": float(sum(h.get("step_seconds", 0.0) for h in history)),
     }
 
 
-def _base_success(stream: Stream, strategy: Strategy, model: str, eval: EvalConfig, dtype: str, device: str,
-                  seed: int) -> dict[str, float] | None:
-    """The start model's success on a few training tasks per experience, when the strategy asks for it."""
-    if not getattr(strategy, "needs_base_success", False):
-        return None
-    policy = Policy.load(model, device=device, dtype=dtype, seed=seed)
-    tasks = {e.name: select_tasks(e.train_tasks, 16, seed) for e in stream.train}
-    config = RolloutConfig(eval.max_new_tokens, eval.max_episode_tokens, eval.temperature, 1.0, eval.max_turns)
-    results = evaluate(policy.backend, policy.chat, tasks, env_factory(stream.train), k=2, config=config,
-                       description="measuring base success for the curriculum")
-    return {name: r.avg_at_k for name, r in results.items()}
+# --- resuming ----------------------------------------------------------------------------------
 
 
-def _drop_optimizer_state(run_dir: RunDir, stage: int) -> None:
-    """Keep model weights of every stage but optimizer state only for the latest (it is large)."""
-    for earlier in range(1, stage):
-        state = run_dir.checkpoint_dir(earlier) / "trainer_state.pt"
-        state.unlink(missing_ok=True)
+def _read_plan(run_dir: RunDir) -> dict[str, Any] | None:
+    path = run_dir.path / PLAN
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def _describe_warm_start(warm_start: WarmStart | None, model: str) -> dict[str, Any] | None:
-    if warm_start is None:
-        return None
-    return {"base_model": model, "envs": list(warm_start.demos.envs), "episodes": warm_start.demos.episodes,
-            "epochs": warm_start.sft.epochs, "lr": warm_start.sft.lr, "seed": warm_start.demos.seed}
+def _truncate_log(path: Path, steps: int) -> None:
+    """Keep the GRPO log's lines of steps ``1..steps``: a resumed stage logs its steps again.
+
+    A half-written last line (a kill during the write) is dropped too.
+    """
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= steps:
+            kept.append(line + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    partial.replace(path)
 
 
-def _default_config(stream, strategy, model, grpo, eval, warm_start, dtype, seed) -> dict[str, Any]:
-    return {
-        "model": {"name": model, "dtype": dtype, "warmstart": _describe_warm_start(warm_start, model)},
-        "stream": {"train": [e.name for e in stream.train], "test": [e.name for e in stream.test],
-                   "train_tasks": [len(e.train_tasks) for e in stream.train],
-                   "test_tasks": [len(e.test_tasks) for e in stream.test]},
-        "strategy": {"name": strategy.name, "options": _public_fields(strategy)},
-        "grpo": asdict(grpo), "eval": asdict(eval), "seed": seed,
-    }
+def _drop_stale_checkpoints(run_dir: RunDir, done: int) -> None:
+    """Keep every recorded stage's weights, but optimizer (and strategy) state only for the last one.
+
+    Checkpoints of stages after ``done`` were saved without their row being
+    written (a kill before recording), and staging directories are partial
+    saves: both are removed, since that stage is trained again.
+    """
+    root = run_dir.path / "checkpoints"
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if path.name.endswith(".partial"):
+            shutil.rmtree(path, ignore_errors=True)
+    for stage in range(1, done):
+        for name in (TRAINER_STATE, STRATEGY_STATE):
+            (run_dir.checkpoint_dir(stage) / name).unlink(missing_ok=True)
+    stage = done + 1
+    while run_dir.checkpoint_dir(stage).exists():
+        shutil.rmtree(run_dir.checkpoint_dir(stage))
+        stage += 1
 
 
-def _public_fields(obj: Any) -> dict[str, Any]:
-    return {k: v for k, v in vars(obj).items() if not k.startswith("_") and isinstance(v, (int, float, str, bool, dict, list, type(None)))}
+def _finish(run_dir: RunDir, processes: PartialState) -> RunResult:
+    """Mark the run finished and write its report.
+
+    The report is rebuilt every time (it is a pure function of the run
+    directory), so a kill after ``FINISHED`` but during or before the report
+    is repaired by resuming.
+    """
+    if processes.is_main_process:
+        if not run_dir.finished():
+            _drop_stale_checkpoints(run_dir, run_dir.completed_stages())  # a kill may have beaten the cleanup
+            run_dir.mark_finished()
+        _write_report(run_dir.path)
+    processes.wait_for_everyone()
+    plan = _read_plan(run_dir) or {}
+    return RunResult(run_dir.path, list(plan.get("test", [])), list(plan.get("trained_at", [])), run_dir.rows())
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(data, indent=2, default=str))
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(data, indent=2), encoding="utf-8")
     partial.replace(path)
 
 
@@ -243,6 +447,3 @@ def _write_report(path: Path) -> None:
 
     for written in write_report(path):
         console.print(f"wrote {written}")
-
-
-__all__ = ["RunResult", "WarmStart", "run"]

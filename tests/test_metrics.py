@@ -7,6 +7,10 @@ import pytest
 
 from contrail.metrics import (
     backward_transfer,
+    delta_held_in,
+    delta_held_out,
+    delta_overall,
+    deltas_by_row,
     final_performance,
     forgetting,
     forward_transfer,
@@ -97,7 +101,8 @@ def test_everything_held_out_leaves_only_heldout_gain():
 
 def test_summarize_and_per_experience():
     result = summarize(SEQUENTIAL, [1, 2, 3])
-    assert list(result) == ["final_performance", "backward_transfer", "forgetting", "forward_transfer", "heldout_gain"]
+    assert list(result) == ["final_performance", "backward_transfer", "forgetting", "forward_transfer", "heldout_gain",
+                            "delta_held_in", "delta_held_out", "delta_overall"]
     assert all(isinstance(v, float) for v in result.values())
     assert result["backward_transfer"] == pytest.approx(-0.25)
 
@@ -120,6 +125,28 @@ def test_accepts_lists_and_numpy_integers():
     assert backward_transfer(SEQUENTIAL.tolist(), trained_at) == pytest.approx(-0.25)
 
 
+def test_paper_deltas_on_a_hand_made_matrix():
+    R = np.array(
+        [
+            [0.1, 0.2, 0.3, 0.4],   # start model
+            [0.7, 0.3, 0.35, 0.4],  # after stage 1 (a)
+            [0.6, 0.8, 0.5, 0.2],   # after stage 2 (b)
+        ]
+    )
+    trained_at = [1, 2, None, None]
+    # held in: a 0.6-0.1, b 0.8-0.2 -> 0.55; held out: c 0.2, d -0.2 -> 0; overall: (0.5+0.6+0.2-0.2)/4
+    assert delta_held_in(R, trained_at) == pytest.approx(0.55)
+    assert delta_held_out(R, trained_at) == pytest.approx(0.0)
+    assert delta_overall(R, trained_at) == pytest.approx(0.275)
+    rows = deltas_by_row(R, trained_at)
+    # row 1: only a is trained yet (0.6); held out (0.05 + 0) / 2; overall (0.6 + 0.1 + 0.05 + 0) / 4
+    assert rows["delta_held_in"] == pytest.approx([math.nan, 0.6, 0.55], nan_ok=True)
+    assert rows["delta_held_out"] == pytest.approx([0.0, 0.025, 0.0])
+    assert rows["delta_overall"] == pytest.approx([0.0, 0.1875, 0.275])
+    assert math.isnan(delta_held_out(R, [1, 2, 1, 2]))
+    assert math.isnan(delta_held_in(R, [None] * 4))
+
+
 @pytest.mark.parametrize(
     "R, trained_at, message",
     [
@@ -135,7 +162,8 @@ def test_accepts_lists_and_numpy_integers():
     ],
 )
 @pytest.mark.parametrize(
-    "metric", [final_performance, backward_transfer, forgetting, forward_transfer, heldout_gain, summarize]
+    "metric", [final_performance, backward_transfer, forgetting, forward_transfer, heldout_gain, summarize,
+               delta_held_in, delta_held_out, delta_overall, deltas_by_row]
 )
 def test_bad_shapes_and_stages_raise(metric, R, trained_at, message):
     with pytest.raises(ValueError, match=message):

@@ -25,6 +25,15 @@ def row(stage, a, b, name=None):
             "train": {}, "wall_seconds": 1.5}
 
 
+def test_config_text_is_written_as_it_is(tmp_path):
+    text = "# the experiment\nname: t\nseed: 0\n"
+    RunDir(tmp_path).start(text)
+    assert (tmp_path / "config.yaml").read_text() == text
+    RunDir(tmp_path).start("name: t\nseed: 0\n", resume=True)  # same values, other formatting
+    with pytest.raises(RunExistsError, match=r"differs in seed \(seed: saved 0, now 2\)"):
+        RunDir(tmp_path).start("name: t\nseed: 2\n", resume=True)
+
+
 def test_new_run_writes_config_and_rows(tmp_path):
     run = RunDir(tmp_path / "run")
     run.start(CONFIG)
@@ -75,9 +84,14 @@ def test_finished_run_is_not_overwritten_without_force(tmp_path):
     run.append_row(row(0, 0.1, 0.2))
     run.mark_finished()
     assert run.finished()
-    for kwargs in ({}, {"resume": True}):
-        with pytest.raises(RunExistsError, match="finished run.*--force"):
-            RunDir(tmp_path).start(CONFIG, **kwargs)
+    with pytest.raises(RunExistsError, match="finished run.*--force"):
+        RunDir(tmp_path).start(CONFIG)
+    # resuming a finished run of the same experiment keeps it (the runner rebuilds a missing report) ...
+    RunDir(tmp_path).start(CONFIG, resume=True)
+    assert run.finished() and run.completed_stages() == 0
+    # ... but not of another experiment
+    with pytest.raises(RunExistsError, match="different experiment; the config differs in seed"):
+        RunDir(tmp_path).start({**CONFIG, "seed": 1}, resume=True)
     RunDir(tmp_path).start({**CONFIG, "seed": 1}, force=True)
     assert run.rows() == [] and not run.finished() and run.config()["seed"] == 1
 

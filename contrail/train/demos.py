@@ -6,7 +6,9 @@ and a mask that is 1 exactly on the assistant's tokens. Supervised and
 reinforcement training therefore see identical tokens.
 
 Demonstrations come only from *training* tasks, are deterministic from a
-seed, and are cached on disk keyed by everything that shapes them.
+seed, and are cached on disk keyed by everything that shapes them. What to
+demonstrate is read from the experiment's one warm-start type,
+`contrail.experiment.WarmStart` (``envs``, ``episodes``, ``max_episode_tokens``).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from contrail import __version__
 from contrail.agent.chat import ChatFormat
@@ -26,22 +28,21 @@ from contrail.models import cache_dir
 from contrail.stream import Experience, env_factory
 from contrail.train.trainer import Sample
 
+if TYPE_CHECKING:
+    from contrail.experiment import WarmStart
 
-@dataclass(frozen=True)
-class DemoSpec:
-    """What a set of demonstrations is made of."""
+# An expert's turn is a few dozen tokens; this bound only stops a runaway expert.
+EXPERT_MAX_NEW_TOKENS = 512
 
-    envs: tuple[str, ...]
-    episodes: int
-    seed: int = 0
-    max_episode_tokens: int = 2048
-    max_new_tokens: int = 512
 
-    def __post_init__(self) -> None:
-        if not self.envs:
-            raise ValueError("demonstrations need at least one environment spec")
-        if self.episodes < 1:
-            raise ValueError(f"episodes must be >= 1, got {self.episodes}")
+def expert_rollout_config(spec: WarmStart) -> RolloutConfig:
+    """The rollout limits of demonstrations: ``spec.max_episode_tokens`` per episode, a generous turn.
+
+    The rollout stops an episode whose next turn might overflow the episode,
+    so the turn's bound is kept to a quarter of it.
+    """
+    turn = max(1, min(EXPERT_MAX_NEW_TOKENS, spec.max_episode_tokens // 4))
+    return RolloutConfig(max_new_tokens=turn, max_episode_tokens=spec.max_episode_tokens)
 
 
 def plan_tasks(experiences: list[Experience], episodes: int, seed: int) -> list[Task]:
@@ -59,42 +60,46 @@ def plan_tasks(experiences: list[Experience], episodes: int, seed: int) -> list[
     return tasks
 
 
-def expert_trajectories(spec: DemoSpec, chat: ChatFormat, show_progress: bool = False) -> list[Trajectory]:
-    """Play the experts on training tasks through the rollout path."""
+def expert_trajectories(spec: WarmStart, chat: ChatFormat, *, seed: int = 0,
+                        show_progress: bool = False) -> list[Trajectory]:
+    """Play the experts on ``spec.episodes`` training tasks (drawn with ``seed``) through the rollout path."""
     from contrail.progress import EpisodeProgress
 
-    experiences = [Experience.from_spec(s, seed=spec.seed) for s in spec.envs]
-    tasks = plan_tasks(experiences, spec.episodes, spec.seed)
-    config = RolloutConfig(max_new_tokens=spec.max_new_tokens, max_episode_tokens=spec.max_episode_tokens)
+    experiences = [Experience.from_spec(s) for s in spec.envs]
+    tasks = plan_tasks(experiences, spec.episodes, seed)
+    config = expert_rollout_config(spec)
     with EpisodeProgress(len(tasks), "expert demonstrations", enabled=show_progress) as progress:
         return rollout(ExpertBackend(chat), chat, tasks, env_factory(experiences), config,
                        on_episode=lambda t: progress.episode_done(t.success))
 
 
-def _cache_key(spec: DemoSpec, tokenizer) -> str:
+def _cache_key(spec: WarmStart, seed: int, tokenizer) -> str:
+    # Only what shapes the demonstrations: the training settings (lr, epochs, ...) do not.
     identity = {
-        "spec": spec.__dict__, "version": __version__,
+        "envs": list(spec.envs), "episodes": spec.episodes, "max_episode_tokens": spec.max_episode_tokens,
+        "max_new_tokens": expert_rollout_config(spec).max_new_tokens, "seed": seed, "version": __version__,
         "tokenizer": getattr(tokenizer, "name_or_path", ""), "vocab": len(tokenizer),
         "template": tokenizer.chat_template,
     }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def demonstrations(spec: DemoSpec, tokenizer, use_cache: bool = True,
+def demonstrations(spec: WarmStart, tokenizer, *, seed: int = 0, use_cache: bool = True,
                    show_progress: bool = False) -> tuple[list[Sample], dict]:
-    """Successful expert episodes as training samples, plus a summary of how they were made.
+    """Successful expert episodes of ``spec`` as training samples, plus a summary of how they were made.
 
-    Failed expert episodes are dropped (they would teach failure); the summary
-    says how many there were.
+    ``seed`` draws the training tasks (``derive_seed(root, "warmstart")`` in a
+    run). Failed expert episodes are dropped (they would teach failure); the
+    summary says how many there were.
     """
-    path = cache_dir() / "demos" / f"{_cache_key(spec, tokenizer)}.jsonl"
+    path = cache_dir() / "demos" / f"{_cache_key(spec, seed, tokenizer)}.jsonl"
     if use_cache and path.exists():
         return _read(path)
     chat = ChatFormat.from_tokenizer(tokenizer)
-    trajectories = expert_trajectories(spec, chat, show_progress)
+    trajectories = expert_trajectories(spec, chat, seed=seed, show_progress=show_progress)
     kept = [t for t in trajectories if t.success and not t.truncated]
     summary = {
-        "envs": list(spec.envs), "episodes": len(trajectories), "kept": len(kept), "seed": spec.seed,
+        "envs": list(spec.envs), "episodes": len(trajectories), "kept": len(kept), "seed": seed,
         "assistant_tokens": sum(sum(t.mask) for t in kept), "tokens": sum(len(t.ids) for t in kept),
         "splits": sorted({t.task.split for t in trajectories}),
     }

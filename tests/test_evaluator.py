@@ -1,0 +1,115 @@
+"""The evaluator: environment errors counted per experience, the same sampling at every call, RNG left alone."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from contrail import envs
+from contrail.agent.rollout import RolloutConfig
+from contrail.evaluation import Evaluator, preserved_rng, summarize
+from contrail.testing import BerryWordEnv, MagicWordEnv, tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run faster on one thread than on a shared machine's contended cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+ROLLOUT = RolloutConfig(max_new_tokens=3, max_episode_tokens=256)
+
+
+class ResetFails(BerryWordEnv):
+    def on_reset(self, task):
+        raise RuntimeError("engine did not start")
+
+
+class StepFails(BerryWordEnv):
+    def on_step(self, text):
+        raise OSError("engine died")
+
+
+def factory(task):
+    """magic: fine; id 2 of magic-berry: the constructor raises; id 4: reset raises; id 6: step raises."""
+    if task.env == "magic":
+        return envs.make("magic")
+    if task.id == 10_002:
+        raise ValueError("cannot build this environment")
+    if task.id == 10_004:
+        return ResetFails()
+    if task.id == 10_006:
+        return StepFails()
+    return envs.make("magic-berry")
+
+
+def test_environment_errors_are_counted_per_experience_and_the_evaluation_goes_on(tmp_path):
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer)
+    tasks = {"magic:easy": envs.make("magic").tasks("test", "easy")[:4],
+             "magic-berry:easy": envs.make("magic-berry").tasks("test", "easy")[:4]}
+    assert [t.id for t in tasks["magic-berry:easy"]] == [10_000, 10_002, 10_004, 10_006]
+    evaluator = Evaluator(tasks, factory, ROLLOUT, k=2, batch_episodes=5, seed=3, show_progress=False)
+    path = tmp_path / "stage-00.jsonl"
+    results = evaluator(model, tokenizer, trajectories_path=path)
+    assert results["magic:easy"].errors == 0
+    assert results["magic-berry:easy"].errors == 3 * 2  # constructor, reset and step failures, k=2 each
+    assert results["magic-berry:easy"].tasks == 4 and results["magic-berry:easy"].k == 2
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(records) == 2 * 4 * 2
+    errors = sorted(r["error"] for r in records if r["error"])
+    assert errors == ["OSError: engine died"] * 2 + ["RuntimeError: engine did not start"] * 2 + [
+        "ValueError: cannot build this environment"] * 2
+    # the same sampling seed at every call: a second evaluation is identical and rewrites the file
+    again = evaluator(model, tokenizer, trajectories_path=path)
+    assert again == results
+    assert [json.loads(line) for line in path.read_text().splitlines()] == records
+
+
+class DrawsFromGlobalRNGs(MagicWordEnv):
+    """An environment that shuffles with the process-wide generators, as many engines do."""
+
+    def on_reset(self, task):
+        random.random(), np.random.rand(), torch.rand(1)
+        return super().on_reset(task)
+
+
+def test_evaluation_leaves_the_global_random_state_alone():
+    """Otherwise evaluating between stages would move training's random streams (and break exact resume)."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer)
+    tasks = {"magic:easy": envs.make("magic").tasks("test", "easy")[:2]}
+    evaluator = Evaluator(tasks, lambda task: DrawsFromGlobalRNGs(), ROLLOUT, k=2, seed=0, show_progress=False)
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    evaluator(model, tokenizer)
+    after = (random.random(), np.random.rand(), torch.rand(1).item())
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    assert after == (random.random(), np.random.rand(), torch.rand(1).item())
+    model.train()
+    evaluator(model, tokenizer)
+    assert model.training  # the training mode is restored too
+
+
+def test_preserved_rng_restores_even_after_an_error():
+    torch.manual_seed(5)
+    expected = torch.rand(1).item()
+    torch.manual_seed(5)
+    try:
+        with preserved_rng():
+            torch.rand(100), random.random()
+            raise KeyError
+    except KeyError:
+        pass
+    assert torch.rand(1).item() == expected
+
+
+def test_summarize_of_no_episodes_is_nan_not_an_error():
+    result = summarize([], k=2)
+    assert result.tasks == 0 and result.errors == 0 and np.isnan(result.avg_at_k)

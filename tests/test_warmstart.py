@@ -1,0 +1,195 @@
+"""The warm-start: read from the one `WarmStart` type, cached by every field that changes it, weights only."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields, replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from contrail.experiment import WarmStart
+from contrail.models import load_model
+from contrail.testing import tiny_model, tiny_tokenizer
+from contrail.train import sft
+from contrail.train.demos import demonstrations
+from contrail.train.sft import sft_config, train_sft, warmstart, warmstart_key
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run faster on one thread than on a shared machine's contended cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+SPEC = WarmStart(envs=["magic:easy"], episodes=4, epochs=1, lr=1e-3, max_episode_tokens=256, batch_size=2,
+                 precision="fp32")
+
+
+@pytest.fixture
+def base_model(tmp_path):
+    tokenizer = tiny_tokenizer()
+    path = tmp_path / "tiny"
+    tiny_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CONTRAIL_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_the_trainer_settings_come_from_the_warm_start():
+    config = sft_config(replace(SPEC, lr=3e-4, precision="bf16"))
+    assert config.lr == 3e-4 and config.precision == "bf16"
+
+
+def test_warm_start_is_trained_once_then_reused_from_the_cache(base_model, cache, monkeypatch):
+    path = warmstart(base_model, SPEC, seed=7, dtype="float32", show_progress=False)
+    key = warmstart_key(base_model, SPEC, seed=7, dtype="float32")
+    assert path == cache / "warmstart" / key / "model"
+    # the cache keeps the model and its summary, no optimizer state and no staging directory
+    assert not list((cache / "warmstart").glob("*.partial"))
+    assert not list(path.parent.rglob("trainer_state.pt")) and not (path.parent / "checkpoint").exists()
+    summary = json.loads((path.parent / "summary.json").read_text())
+    assert summary["warmstart"]["episodes"] == 4 and summary["seed"] == 7
+    trained = load_file(path / "model.safetensors")
+    untouched = load_file(f"{base_model}/model.safetensors")
+    assert any(not (trained[name] == untouched[name]).all() for name in untouched)  # it learnt something
+    model, _ = load_model(str(path))  # loadable as a model
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a cached warm-start was trained again")
+
+    monkeypatch.setattr(sft, "train_sft", no_training)
+    assert warmstart(base_model, SPEC, seed=7, dtype="float32", show_progress=False) == path
+
+
+def test_the_cache_key_covers_every_field_and_the_seed(base_model):
+    keys = {warmstart_key(base_model, SPEC, seed=0, dtype="float32")}
+    changed = {"envs": ["magic-berry:easy"], "episodes": 5, "epochs": 2, "lr": 2e-3, "max_episode_tokens": 300,
+               "batch_size": 3, "precision": "bf16"}
+    assert set(changed) == {f.name for f in fields(WarmStart)}  # a new field must be added here (and to the key)
+    for name, value in changed.items():
+        keys.add(warmstart_key(base_model, replace(SPEC, **{name: value}), seed=0, dtype="float32"))
+    keys.add(warmstart_key(base_model, SPEC, seed=1, dtype="float32"))
+    keys.add(warmstart_key(base_model, SPEC, seed=0, dtype="bfloat16"))
+    keys.add(warmstart_key(base_model + "-other", SPEC, seed=0, dtype="float32"))
+    assert len(keys) == len(changed) + 4
+
+
+def test_demonstrations_are_deterministic_from_the_seed_and_only_from_training_tasks():
+    tokenizer = tiny_tokenizer()
+    spec = replace(SPEC, episodes=6)
+    samples, summary = demonstrations(spec, tokenizer, seed=1, use_cache=False)
+    again, _ = demonstrations(spec, tokenizer, seed=1, use_cache=False)
+    other, _ = demonstrations(spec, tokenizer, seed=2, use_cache=False)
+    assert summary["splits"] == ["train"] and summary["kept"] == len(samples) == 6
+    assert [s.extras for s in samples] == [s.extras for s in again]
+    assert [s.extras for s in samples] != [s.extras for s in other]
+    assert all(sum(s.mask) > 0 for s in samples)
+
+
+def test_interrupted_warm_start_resumes_from_its_last_epoch(base_model, tmp_path):
+    spec = replace(SPEC, epochs=2)
+    out = tmp_path / "sft"
+    straight = train_sft(base_model, spec, tmp_path / "straight", seed=0, show_progress=False)
+    train_sft(base_model, replace(spec, epochs=1), out, seed=0, show_progress=False)  # "killed" after epoch 1
+    resumed = train_sft(base_model, spec, out, seed=0, show_progress=False)
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [entry["epoch"] for entry in log] == [0, 0, 1, 1]
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all((a[name] == b[name]).all() for name in a)
+
+
+def test_demonstrations_render_like_rollouts_and_mask_assistant_tokens():
+    from contrail.agent import ChatFormat, rollout
+    from contrail.agent.scripted import ExpertBackend
+    from contrail.stream import Experience
+    from contrail.testing import MagicWordEnv
+    from contrail.train.demos import expert_rollout_config, plan_tasks
+
+    tokenizer = tiny_tokenizer()
+    samples, summary = demonstrations(SPEC, tokenizer, seed=3, use_cache=False)
+    assert summary["kept"] == 4
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    tasks = plan_tasks([Experience.from_spec("magic:easy")], 4, 3)
+    direct = rollout(ExpertBackend(chat), chat, tasks, lambda t: MagicWordEnv(), expert_rollout_config(SPEC))
+    assert [s.ids for s in samples] == [t.ids for t in direct]
+    for sample, traj in zip(samples, direct, strict=True):
+        rendered = tokenizer.apply_chat_template(traj.messages, tokenize=False)
+        assert sample.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        learned = [i for i, m in zip(sample.ids, sample.mask, strict=True) if m]
+        assert learned == tokenizer("apple", add_special_tokens=False)["input_ids"] + chat.assistant_close_ids[:1]
+
+
+def test_demonstrations_are_cached_by_what_shapes_them():
+    tokenizer = tiny_tokenizer()
+    first, _ = demonstrations(SPEC, tokenizer, seed=1)
+    assert len(list((sft.cache_dir() / "demos").glob("*.jsonl"))) == 1
+    # training settings do not shape demonstrations: the same cached file serves them
+    second, _ = demonstrations(replace(SPEC, lr=0.5, epochs=9, batch_size=1), tokenizer, seed=1)
+    assert len(list((sft.cache_dir() / "demos").glob("*.jsonl"))) == 1
+    assert [s.ids for s in first] == [s.ids for s in second]
+    demonstrations(replace(SPEC, episodes=5), tokenizer, seed=1)
+    demonstrations(SPEC, tokenizer, seed=2)
+    assert len(list((sft.cache_dir() / "demos").glob("*.jsonl"))) == 3
+
+
+def test_a_cut_short_epoch_is_logged_once_after_resuming(base_model, tmp_path, monkeypatch):
+    from contrail.train.trainer import MaskedTokenTrainer
+
+    spec = replace(SPEC, epochs=2)
+    real_step, calls = MaskedTokenTrainer.step, {"n": 0}
+
+    def die_in_epoch_two(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # epoch 1's second step: its first step is logged, its checkpoint never written
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MaskedTokenTrainer, "step", die_in_epoch_two)
+        with pytest.raises(KeyboardInterrupt):
+            train_sft(base_model, spec, tmp_path / "bc", seed=0, show_progress=False)
+    train_sft(base_model, spec, tmp_path / "bc", seed=0, show_progress=False)
+    log = [json.loads(line) for line in (tmp_path / "bc" / "log.jsonl").read_text().splitlines()]
+    assert [(entry["epoch"], entry["step"]) for entry in log] == [(0, 1), (0, 2), (1, 3), (1, 4)]
+
+
+def test_a_run_with_a_warm_start_starts_from_the_cached_model(base_model, tmp_path, cache, monkeypatch):
+    from contrail.agent.rollout import RolloutConfig
+    from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec
+    from contrail.grpo.config import GRPOConfig
+    from contrail.runner import run
+    from contrail.seeds import derive_seed
+
+    def experiment(out, seed=0):
+        return Experiment(
+            name="warm", stream=StreamSpec(train=["magic:easy"], train_tasks=8, test_tasks=2, steps_per_experience=1),
+            strategy=StrategySpec(name="sequential"),
+            model=ModelSpec(name=base_model, dtype="float32", device="cpu", warmstart=SPEC),
+            rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
+            grpo=GRPOConfig(lr=1e-2, group_size=2, tasks_per_step=1), eval=EvalSpec(k=1), seed=seed, out=str(out))
+
+    monkeypatch.setattr("contrail.report.write_report", lambda run_dir: [])  # the report is tested elsewhere
+    result = run(experiment(tmp_path / "a"), show_progress=False)
+    expected = warmstart(base_model, SPEC, seed=derive_seed(0, "warmstart"), dtype="float32")
+    plan = json.loads((tmp_path / "a" / "plan.json").read_text())
+    assert plan["start_model"] == str(expected)
+    assert plan["warmstart"] == {"base_model": base_model, **{f.name: getattr(SPEC, f.name) for f in fields(SPEC)}}
+    assert result.rows[0]["name"] == "warm-start"
+    # another run of the same warm-start reuses it; another seed trains its own
+    trained = []
+    monkeypatch.setattr(sft, "train_sft", lambda *a, **k: trained.append(a) or (_ for _ in ()).throw(KeyError))
+    run(experiment(tmp_path / "b"), show_progress=False)
+    assert trained == []
+    with pytest.raises(KeyError):
+        run(experiment(tmp_path / "c", seed=1), show_progress=False)
+    assert len(trained) == 1
