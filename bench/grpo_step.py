@@ -41,10 +41,20 @@ import sys
 import tempfile
 import time
 
-from _common import (console, fmt, load_policy, matmul_flops, parameter_count, peak_rss_mb, print_machine,
-                     set_threads, table, timed, write_json)
-
 import torch
+from _common import (
+    console,
+    fmt,
+    load_policy,
+    matmul_flops,
+    parameter_count,
+    peak_rss_mb,
+    print_machine,
+    set_threads,
+    table,
+    timed,
+    write_json,
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -112,7 +122,7 @@ def synthetic_trajectories(vocab: int, batch: int, length: int, generated: float
 
 def grpo_trainer(model, tokenizer, precision: str, micro_batch_tokens: int | None, rollout=None, **overrides):
     """contrail's GRPOTrainer with quiet defaults; environments are not needed for ``update``."""
-    import contrail.envs as envs
+    from contrail import envs
     from contrail.agent.rollout import RolloutConfig
     from contrail.grpo.config import GRPOConfig
     from contrail.grpo.trainer import GRPOTrainer
@@ -163,7 +173,8 @@ def run_worker(args, role: str, extra_env: dict | None = None) -> dict:
     """Run this script as ``--worker role`` in a fresh process; return its JSON (or the error)."""
     argv = [sys.executable, __file__, "--worker", role] + [a for a in sys.argv[1:] if a not in ("--quick",)]
     argv = _drop_option(argv, "--json")
-    result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **(extra_env or {})})
+    result = subprocess.run(argv, capture_output=True, text=True, check=False,  # the caller reports failures
+                            env={**os.environ, **(extra_env or {})})
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if result.returncode != 0 or not lines:
         tail = "\n".join(result.stderr.strip().splitlines()[-15:])
@@ -221,7 +232,7 @@ def update_throughput(args, out, device: str = "cpu") -> dict:
 
 
 def fixed_tasks(args):
-    import contrail.envs as envs
+    from contrail import envs
 
     name, difficulty = envs.parse_spec(args.env)
     return envs.make(name).tasks("test", difficulty)[: args.tasks]
@@ -253,12 +264,13 @@ def contrail_worker(args) -> dict:
 
 def trl_worker(args) -> dict:
     """TRL's GRPOTrainer on the same tasks, with a multi-turn ``rollout_func`` over TRL's own generation."""
-    import contrail.envs as envs
-    from contrail.agent.chat import ChatFormat
-    from contrail.envs.base import Task
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from contrail import envs
+    from contrail.agent.chat import ChatFormat
+    from contrail.envs.base import Task
 
     policy = load_policy(args.compare_model)
     chat = ChatFormat.from_tokenizer(policy.tokenizer)

@@ -35,7 +35,7 @@ def make_trainer(the_stream, seed=0, lr=2e-2):
                        seed=seed, show_progress=False)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_stages(name, seed=0, **options):
     """Train the two-stage stream like the runner; return the trainer, each stage's history and anchors."""
     the_stream = stream()
@@ -105,10 +105,12 @@ def test_kl_anchor_snapshot_after_a_resume_is_the_loaded_model(tmp_path):
     strategy = strategies.make("kl_anchor", beta=0.5, steps_per_experience=2)
     strategy.plan(the_stream, seed=0)
     strategy.before_stage(second, resumed)
+    for a, b in zip(trainer.model.parameters(), strategy.anchor.parameters()):
+        assert torch.equal(a, b)  # the anchor is the first stage's final policy
     stats = resumed.step(strategies.stage_sampler(second, the_stream))
     assert stats["anchor_kl"] == pytest.approx(0.0, abs=1e-6)
-    for a, b in zip(trainer.model.parameters(), strategy._anchor.parameters()):
-        assert torch.allclose(a, b)
+    strategy.after_stage(second, resumed)
+    assert strategy.anchor is None  # released: no memory held during evaluation
 
 
 # --- ewc ------------------------------------------------------------------------------------

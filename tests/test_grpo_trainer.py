@@ -12,8 +12,8 @@ from contrail.agent import ChatFormat, HFBackend, RolloutConfig, Trajectory, rol
 from contrail.envs.base import Task
 from contrail.grpo.config import GRPOConfig
 from contrail.grpo.trainer import GRPOTrainer, TooManyEpisodeErrors
-from contrail.train.trainer import CheckpointError, NonFiniteError
 from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
+from contrail.train.trainer import CheckpointError, NonFiniteError
 
 
 class CyclingSampler:
@@ -67,7 +67,7 @@ def test_grpo_learns_the_magic_word(tmp_path):
     after = success_rate(trainer.model, tokenizer)
     assert after > before + 0.4, (before, after)
     assert history[-1]["success_rate"] > history[0]["success_rate"]
-    logged = [json.loads(line) for line in open(tmp_path / "grpo_log.jsonl")]
+    logged = [json.loads(line) for line in (tmp_path / "grpo_log.jsonl").read_text().splitlines()]
     assert [entry["step"] for entry in logged] == list(range(1, 31))
     updated = [entry for entry in logged if "skipped_update" not in entry]
     assert updated, "no step had a group with different rewards"

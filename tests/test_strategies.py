@@ -9,8 +9,16 @@ import pytest
 from contrail import strategies
 from contrail.envs.base import Env, Step, Task, UnknownNameError, register
 from contrail.seeds import derive_seed
-from contrail.strategies import (Curriculum, Mixture, Replay, Sequential, Stage, Strategy, TaskSampler,
-                                  stage_sampler)
+from contrail.strategies import (
+    Curriculum,
+    Mixture,
+    Replay,
+    Sequential,
+    Stage,
+    Strategy,
+    TaskSampler,
+    stage_sampler,
+)
 from contrail.stream import Experience, Stream
 
 

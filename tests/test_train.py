@@ -9,12 +9,18 @@ import torch
 
 from contrail.agent import ChatFormat, RolloutConfig, rollout
 from contrail.agent.scripted import ExpertBackend
+from contrail.stream import Experience
 from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
 from contrail.train.config import TrainConfig
 from contrail.train.demos import DemoSpec, demonstrations, plan_tasks
-from contrail.train.trainer import (CheckpointError, MaskedTokenTrainer, NonFiniteError, collate, cross_entropy_loss,
-                                    pack_by_tokens)
-from contrail.stream import Experience
+from contrail.train.trainer import (
+    CheckpointError,
+    MaskedTokenTrainer,
+    NonFiniteError,
+    collate,
+    cross_entropy_loss,
+    pack_by_tokens,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -169,7 +175,7 @@ def test_sft_end_to_end_and_resume(tokenizer, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         sft.train_sft(str(base), spec, tmp_path / "bc", config, show_progress=False)
     model_dir = sft.train_sft(str(base), spec, tmp_path / "bc", config, show_progress=False)
-    log = [json.loads(line) for line in open(tmp_path / "bc" / "log.jsonl")]
+    log = [json.loads(line) for line in (tmp_path / "bc" / "log.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in log] == [0, 0, 1, 1, 2, 2]  # epoch 0 not repeated
     assert log[-1]["nll_per_token"] < log[0]["nll_per_token"]
     assert (model_dir / "config.json").exists()

@@ -15,7 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from contrail.train.config import TrainConfig, check_bool, check_choice, check_int, check_number
+from contrail.train.config import (
+    TrainConfig,
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+)
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
 

@@ -29,8 +29,9 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -40,7 +41,13 @@ from contrail.envs.base import Env, Task
 from contrail.grpo.advantage import group_advantages
 from contrail.grpo.config import GRPOConfig
 from contrail.grpo.loss import policy_loss
-from contrail.grpo.samples import GRPOSample, check_groups, drop_failed_groups, padded, to_samples
+from contrail.grpo.samples import (
+    GRPOSample,
+    check_groups,
+    drop_failed_groups,
+    padded,
+    to_samples,
+)
 from contrail.policy import Policy
 from contrail.progress import StepProgress
 from contrail.seeds import check_seed, derive_seed

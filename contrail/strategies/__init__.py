@@ -53,15 +53,22 @@ registered name, by an entry point in the ``contrail.strategies`` group, or as
 """
 
 from contrail.strategies.base import Stage, Strategy, budget
-from contrail.strategies.registry import (ENTRY_POINT_GROUP, StrategyOptionError, make, names, options, register,
-                                          strategy_class)
+from contrail.strategies.curriculum import Curriculum
+from contrail.strategies.ewc import EWC
+from contrail.strategies.kl_anchor import KLAnchor
+from contrail.strategies.mixture import Mixture
+from contrail.strategies.registry import (
+    ENTRY_POINT_GROUP,
+    StrategyOptionError,
+    make,
+    names,
+    options,
+    register,
+    strategy_class,
+)
+from contrail.strategies.replay import Replay
 from contrail.strategies.sampler import TaskSampler, stage_sampler
 from contrail.strategies.sequential import Sequential
-from contrail.strategies.mixture import Mixture
-from contrail.strategies.curriculum import Curriculum
-from contrail.strategies.replay import Replay
-from contrail.strategies.kl_anchor import KLAnchor
-from contrail.strategies.ewc import EWC
 
 __all__ = [
     "ENTRY_POINT_GROUP", "EWC", "Curriculum", "KLAnchor", "Mixture", "Replay", "Sequential", "Stage", "Strategy",

@@ -8,8 +8,9 @@ from it with `contrail.strategies.stage_sampler`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from contrail.seeds import check_seed, derive_seed
 from contrail.stream import Experience, Stream
@@ -56,7 +57,7 @@ class Stage:
                 "weights": dict(self.weights), "seed": self.seed}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Stage":
+    def from_dict(cls, data: dict[str, Any]) -> Stage:
         """The inverse of `to_dict`."""
         return cls(index=int(data["index"]), name=str(data["name"]), new=tuple(data["new"]),
                    steps=int(data["steps"]), weights={str(k): float(v) for k, v in data["weights"].items()},
@@ -81,10 +82,10 @@ class Strategy:
         """The stages of ``stream``; built-ins set ``Stage.seed = derive_seed(seed, "stage", index)``."""
         raise NotImplementedError
 
-    def before_stage(self, stage: Stage, trainer: "GRPOTrainer") -> None:
+    def before_stage(self, stage: Stage, trainer: GRPOTrainer) -> None:
         """Called by the runner before training ``stage``; default no-op."""
 
-    def after_stage(self, stage: Stage, trainer: "GRPOTrainer") -> None:
+    def after_stage(self, stage: Stage, trainer: GRPOTrainer) -> None:
         """Called by the runner after training (and before evaluating) ``stage``; default no-op."""
 
 

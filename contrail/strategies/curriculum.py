@@ -6,9 +6,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from contrail import envs
-from contrail.stream import Experience, Stream
-from contrail.strategies.base import Stage, Strategy, check_positive, sequential_stages, training
+from contrail.strategies.base import (
+    Stage,
+    Strategy,
+    check_positive,
+    sequential_stages,
+    training,
+)
 from contrail.strategies.registry import register
+from contrail.stream import Experience, Stream
 
 
 @register("curriculum")

@@ -16,8 +16,9 @@ trainable, so only it is anchored. Costs two copies of the trainable weights.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

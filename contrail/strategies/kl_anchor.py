@@ -18,8 +18,9 @@ Costs one frozen copy of the model and one extra no-grad forward per micro-batch
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -42,6 +43,11 @@ class KLAnchor(Sequential):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_number("beta", self.beta, low=0.0)
+
+    @property
+    def anchor(self) -> torch.nn.Module | None:
+        """The frozen policy of the previous stage while a stage trains; ``None`` between stages."""
+        return self._anchor
 
     def before_stage(self, stage: Stage, trainer) -> None:
         self._release()

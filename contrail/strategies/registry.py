@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+from collections.abc import Callable
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 from contrail.envs.base import UnknownNameError
 from contrail.strategies.base import Strategy

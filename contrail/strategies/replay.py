@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from contrail.seeds import derive_seed
-from contrail.stream import Stream
 from contrail.strategies.base import Stage, Strategy, budget, check_positive, training
 from contrail.strategies.registry import register
+from contrail.stream import Stream
 
 
 @register("replay")

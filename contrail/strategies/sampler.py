@@ -98,7 +98,7 @@ class TaskSampler:
         return f"TaskSampler({{{shares}}}, seed={self.seed})"
 
 
-def stage_sampler(stage: "Stage", stream: "Stream") -> TaskSampler:
+def stage_sampler(stage: Stage, stream: Stream) -> TaskSampler:
     """The task sampler of ``stage``: its weights over the stream's experiences' train tasks, seeded by the stage.
 
     A fresh sampler replays the stage's task sequence from its start, so a

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contrail.stream import Stream
-from contrail.strategies.base import Stage, Strategy, check_positive, sequential_stages, training
+from contrail.strategies.base import (
+    Stage,
+    Strategy,
+    check_positive,
+    sequential_stages,
+    training,
+)
 from contrail.strategies.registry import register
+from contrail.stream import Stream
 
 
 @register("sequential")

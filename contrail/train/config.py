@@ -85,14 +85,15 @@ def _bounds(low: float | None, high: float | None, low_open: bool, high_open: bo
 def check_int(name: str, value: object, low: int | None = None) -> None:
     """An integer (not a bool) ``>= low``; otherwise a ValueError starting with ``name``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        # A config value of the wrong type is a user mistake like any other: ValueError, as everywhere here.
+        raise ValueError(f"{name} must be an integer, got {value!r}")  # noqa: TRY004
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 def check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise ValueError(f"{name} must be true or false, got {value!r}")  # noqa: TRY004
 
 
 def check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:

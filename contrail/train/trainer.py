@@ -26,9 +26,10 @@ import logging
 import math
 import pickle
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -415,7 +416,7 @@ def _seed_everything(seed: int) -> None:
 def _rng_state() -> dict[str, Any]:
     """Every process-wide RNG state as tensors (so it loads with ``weights_only=True``)."""
     version, internal, gauss = random.getstate()
-    kind, keys, position, has_gauss, cached = np.random.get_state()
+    _kind, keys, position, has_gauss, cached = np.random.get_state()
     state = {
         "python": torch.tensor(internal, dtype=torch.int64),
         "python_meta": torch.tensor([version, math.nan if gauss is None else gauss], dtype=torch.float64),
