@@ -168,6 +168,9 @@ class StreamSpec:
             raise ValueError("train must list at least one experience spec (e.g. [textcraft:easy])")
         _specs(self, "train", "test")
         _at_least(self, 1, "steps_per_experience", "train_tasks", "test_tasks")
+        for name, options in self.env_options.items():
+            if not isinstance(options, dict):
+                raise ValueError(f"env_options.{name} must be a mapping of option: value, got {options!r}")
         check_seed(self.task_seed, "task_seed")
 
 
@@ -185,6 +188,8 @@ class StrategySpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name must name a strategy")
+        if not isinstance(self.options, dict):
+            raise ValueError(f"options must be a mapping of option: value, got {self.options!r}")
 
 
 _EVAL_ROLLOUT_FIELDS = ("max_new_tokens", "max_episode_tokens", "temperature", "top_p", "max_turns")
@@ -572,7 +577,8 @@ def _instantiate(node: DictConfig, cls: type, prefix: str, sources: _Sources) ->
         raise _field_error(str(error), cls, prefix, sources) from None
 
 
-_LEADING_KEY = re.compile(r"^([A-Za-z_][\w.]*(?:\[\d+\])*)( must |: | )")
+# A message's leading key: "top_p must ...", "env_options.babyai:easy must ...", "device: ...".
+_LEADING_KEY = re.compile(r"^([A-Za-z_](?:[\w.-]|:(?=\S))*(?:\[\d+\])*)( must |: | )")
 
 
 def _field_error(message: str, cls: type, prefix: str, sources: _Sources) -> ConfigError:

@@ -450,5 +450,9 @@ def test_sections_validate_when_built_in_python():
         ModelSpec(device="gpu")
     with pytest.raises(ValueError, match="eval.max_new_tokens must be an int >= 1"):
         Experiment(name="x", stream=StreamSpec(train=["tiny-a"]), eval=EvalSpec(max_new_tokens=0))
+    with pytest.raises(ValueError, match="env_options.tiny-a must be a mapping of option: value, got 3"):
+        StreamSpec(train=["tiny-a"], env_options={"tiny-a": 3})
+    with pytest.raises(ValueError, match="options must be a mapping"):
+        StrategySpec(options=[1])
     with pytest.raises(ValueError, match="lr must be a finite number > 0, got nan"):
         dataclasses.replace(WarmStart(envs=["a"]), lr=math.nan)
