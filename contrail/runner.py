@@ -423,7 +423,7 @@ def _drop_stale_checkpoints(run_dir: RunDir, done: int) -> None:
     for stage in range(1, done):
         for name in (TRAINER_STATE, STRATEGY_STATE):
             (run_dir.checkpoint_dir(stage) / name).unlink(missing_ok=True)
-    stage = done + 1
+    stage = max(done, 0) + 1
     while run_dir.checkpoint_dir(stage).exists():
         shutil.rmtree(run_dir.checkpoint_dir(stage))
         stage += 1
