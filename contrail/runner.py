@@ -96,7 +96,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         resume: continue an unfinished run in ``out`` (its ``config.yaml`` must
             describe the same experiment, up to result-neutral keys such as the
             device; the error lists the keys that differ). A finished run is
-            returned as it is, its report rebuilt if missing.
+            returned as it is (its report is rebuilt: a kill may have left none).
         force: delete the run in ``out`` (finished or not) and start over.
         show_progress: show progress bars (rows are printed either way).
 
@@ -130,9 +130,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
 
     trainer = _make_trainer(experiment, stream, model, tokenizer, run_dir, show_progress)
     if done >= 1:
-        trainer.load_state(run_dir.checkpoint_dir(done))
-        _load_strategy_state(strategy, run_dir.checkpoint_dir(done))
-        _restore_reference(trainer, experiment, start_model)
+        _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
         console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
     if processes.is_main_process:
         _truncate_log(run_dir.path / GRPO_LOG, trainer.step_count)
@@ -253,6 +251,18 @@ def _make_trainer(experiment: Experiment, stream: Stream, model, tokenizer, run_
 
     return GRPOTrainer(model, tokenizer, experiment.grpo, experiment.rollout, env_factory(stream.experiences),
                        seed=experiment.seed, log_dir=run_dir.path, show_progress=show_progress)
+
+
+def _continue_from(run_dir: RunDir, done: int, trainer: GRPOTrainer, strategy: Strategy, experiment: Experiment,
+                   start_model: str) -> None:
+    """Restore what training carries past stage ``done``: optimizer, RNGs, step count, strategy state, KL reference.
+
+    The weights themselves were loaded from the checkpoint (`_load`).
+    """
+    checkpoint = run_dir.checkpoint_dir(done)
+    trainer.load_state(checkpoint)
+    _load_strategy_state(strategy, checkpoint)
+    _restore_reference(trainer, experiment, start_model)
 
 
 def _restore_reference(trainer: GRPOTrainer, experiment: Experiment, start_model: str) -> None:
@@ -413,7 +423,7 @@ def _drop_stale_checkpoints(run_dir: RunDir, done: int) -> None:
     for stage in range(1, done):
         for name in (TRAINER_STATE, STRATEGY_STATE):
             (run_dir.checkpoint_dir(stage) / name).unlink(missing_ok=True)
-    stage = done + 1
+    stage = max(done, 0) + 1
     while run_dir.checkpoint_dir(stage).exists():
         shutil.rmtree(run_dir.checkpoint_dir(stage))
         stage += 1

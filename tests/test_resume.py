@@ -258,7 +258,6 @@ def test_a_real_sigkill_during_the_evaluation_after_stage_two(base_model, refere
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from contrail import evaluation
         from contrail.runner import run
-from contrail.strategies import Sequential
         from test_resume import experiment
 
         real, calls = evaluation.evaluate, []

@@ -253,3 +253,12 @@ def test_runner_calls_both_hooks_with_the_stage_and_the_trainer(base_model, tmp_
                                              ("before", stages[1]), ("after", stages[1])]
     assert all(isinstance(c[2], GRPOTrainer) for c in calls) and len({id(c[2]) for c in calls}) == 1
     assert [c[3] for c in calls] == [0, 2, 2, 4]  # before: no step of the stage yet; after: all of them
+
+
+def test_a_bad_experiment_fails_before_anything_is_written(base_model, tmp_path):
+    from contrail.experiment import ConfigError
+
+    bad = experiment(base_model, tmp_path / "run", strategy="replay", options={"bogus": 1})
+    with pytest.raises(ConfigError, match="bogus"):
+        run(bad, show_progress=False)
+    assert not (tmp_path / "run").exists()

@@ -193,3 +193,29 @@ def test_a_run_with_a_warm_start_starts_from_the_cached_model(base_model, tmp_pa
     with pytest.raises(KeyError):
         run(experiment(tmp_path / "c", seed=1), show_progress=False)
     assert len(trained) == 1
+
+
+def test_demonstrations_only_read_training_tasks(monkeypatch):
+    from contrail.testing import MagicWordEnv
+
+    seen_splits = set()
+    original = MagicWordEnv.on_reset
+
+    def spy(self, task):
+        seen_splits.add(task.split)
+        return original(self, task)
+
+    monkeypatch.setattr(MagicWordEnv, "on_reset", spy)
+    demonstrations(replace(SPEC, envs=["magic", "magic-berry"], episodes=10), tiny_tokenizer(), use_cache=False)
+    assert seen_splits == {"train"}
+
+
+def test_behaviour_cloning_lowers_the_loss_on_the_demonstrations(base_model, tmp_path):
+    spec = replace(SPEC, episodes=8, epochs=3, batch_size=4, lr=3e-3)
+    model_dir = train_sft(base_model, spec, tmp_path / "bc", seed=0, show_progress=False)
+    log = [json.loads(line) for line in (tmp_path / "bc" / "log.jsonl").read_text().splitlines()]
+    assert [entry["epoch"] for entry in log] == [0, 0, 1, 1, 2, 2]
+    assert log[-1]["nll_per_token"] < log[0]["nll_per_token"]
+    assert (model_dir / "config.json").exists()
+    summary = json.loads((tmp_path / "bc" / "summary.json").read_text())
+    assert summary["demonstrations"]["envs"] == ["magic:easy"] and summary["demonstrations"]["kept"] == 8

@@ -121,7 +121,9 @@ def _truncate_log(path: Path, epochs: int) -> None:
             continue
         if isinstance(entry, dict) and isinstance(entry.get("epoch"), int) and entry["epoch"] < epochs:
             kept.append(line + "\n")
-    path.write_text("".join(kept), encoding="utf-8")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    partial.replace(path)  # a kill while cutting leaves the old log or the new one
 
 
 def warmstart_key(model_name: str, spec: WarmStart, *, seed: int, dtype: str) -> str:
