@@ -7,12 +7,10 @@ import json
 import pytest
 import torch
 
-from contrail.agent import ChatFormat, RolloutConfig, rollout
-from contrail.agent.scripted import ExpertBackend
-from contrail.stream import Experience
-from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
+from contrail.experiment import WarmStart
+from contrail.testing import tiny_model, tiny_tokenizer
 from contrail.train.config import TrainConfig
-from contrail.train.demos import DemoSpec, demonstrations, plan_tasks
+from contrail.train.demos import demonstrations
 from contrail.train.trainer import (
     CheckpointError,
     MaskedTokenTrainer,
@@ -42,42 +40,6 @@ def test_pack_by_tokens_respects_budget_and_keeps_every_sample():
         assert longest * len(group) <= 60 or len(group) == 1
 
 
-def test_demonstrations_render_like_rollouts_and_mask_assistant_tokens(tokenizer):
-    spec = DemoSpec(envs=("magic:easy",), episodes=4, seed=3)
-    samples, summary = demonstrations(spec, tokenizer, use_cache=False)
-    assert summary["kept"] == 4 and summary["splits"] == ["train"]
-    chat = ChatFormat.from_tokenizer(tokenizer)
-    tasks = plan_tasks([Experience.from_spec("magic:easy", seed=3)], 4, 3)
-    direct = rollout(ExpertBackend(chat), chat, tasks, lambda t: MagicWordEnv(), RolloutConfig(max_new_tokens=512))
-    assert [s.ids for s in samples] == [t.ids for t in direct]
-    for sample, traj in zip(samples, direct):
-        rendered = tokenizer.apply_chat_template(traj.messages, tokenize=False)
-        assert sample.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        learned = [i for i, m in zip(sample.ids, sample.mask) if m]
-        assert learned == tokenizer("apple", add_special_tokens=False)["input_ids"] + chat.assistant_close_ids[:1]
-
-
-def test_demonstrations_only_read_training_tasks(tokenizer, monkeypatch):
-    seen_splits = set()
-    original = MagicWordEnv.reset
-
-    def spy(self, task):
-        seen_splits.add(task.split)
-        return original(self, task)
-
-    monkeypatch.setattr(MagicWordEnv, "reset", spy)
-    demonstrations(DemoSpec(envs=("magic", "magic-berry"), episodes=10), tokenizer, use_cache=False)
-    assert seen_splits == {"train"}
-
-
-def test_demonstrations_are_cached_and_deterministic(tokenizer):
-    spec = DemoSpec(envs=("magic",), episodes=6, seed=1)
-    first, _ = demonstrations(spec, tokenizer)
-    second, _ = demonstrations(spec, tokenizer)
-    fresh, _ = demonstrations(spec, tokenizer, use_cache=False)
-    assert [s.ids for s in first] == [s.ids for s in second] == [s.ids for s in fresh]
-
-
 def _loss(model, samples, tokenizer):
     batch = collate(samples, tokenizer.pad_token_id, torch.device("cpu"))
     with torch.no_grad():
@@ -87,7 +49,7 @@ def _loss(model, samples, tokenizer):
 
 def test_supervised_loss_falls_and_every_parameter_changes(tokenizer):
     model = tiny_model(tokenizer)
-    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=8), tokenizer, use_cache=False)
+    samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=8), tokenizer, use_cache=False)
     before = _loss(model, samples, tokenizer)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=3e-3, micro_batch_tokens=64))
@@ -101,7 +63,7 @@ def test_supervised_loss_falls_and_every_parameter_changes(tokenizer):
 
 
 def test_micro_batching_gives_the_same_gradient_as_one_batch(tokenizer):
-    samples, _ = demonstrations(DemoSpec(envs=("magic", "magic-berry"), episodes=6), tokenizer, use_cache=False)
+    samples, _ = demonstrations(WarmStart(envs=["magic", "magic-berry"], episodes=6), tokenizer, use_cache=False)
     grads = []
     for budget in (10_000, 40):
         model = tiny_model(tokenizer, seed=5)
@@ -117,7 +79,7 @@ def test_micro_batching_gives_the_same_gradient_as_one_batch(tokenizer):
 def test_lora_trains_only_adapters(tokenizer):
     pytest.importorskip("peft")
     model = tiny_model(tokenizer)
-    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=4), tokenizer, use_cache=False)
+    samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=4), tokenizer, use_cache=False)
     trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=1e-2, lora=True, lora_r=4))
     before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
     trainer.step(samples, cross_entropy_loss)
@@ -128,7 +90,7 @@ def test_lora_trains_only_adapters(tokenizer):
 
 
 def test_checkpoint_resume_continues_identically(tokenizer, tmp_path):
-    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=6), tokenizer, use_cache=False)
+    samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=6), tokenizer, use_cache=False)
     config = TrainConfig(lr=1e-3, warmup_steps=4)
 
     straight = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, config)
@@ -149,38 +111,6 @@ def test_checkpoint_resume_continues_identically(tokenizer, tmp_path):
         resumed.step(samples, cross_entropy_loss)
     for a, b in zip(straight.unwrapped.parameters(), resumed.unwrapped.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
-
-
-def test_sft_end_to_end_and_resume(tokenizer, tmp_path, monkeypatch):
-    from contrail.train import sft
-
-    base = tmp_path / "base"
-    tiny_model(tokenizer).save_pretrained(base)
-    tokenizer.save_pretrained(base)
-    spec = DemoSpec(envs=("magic:easy",), episodes=8)
-    config = sft.SFTConfig(lr=3e-3, epochs=3, batch_size=4)
-
-    # Interrupt after the first epoch's checkpoint, then resume.
-    calls = {"n": 0}
-    original_save = MaskedTokenTrainer.save
-
-    def save_then_die(self, directory, extra=None):
-        result = original_save(self, directory, extra)
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise KeyboardInterrupt
-        return result
-
-    monkeypatch.setattr(MaskedTokenTrainer, "save", save_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        sft.train_sft(str(base), spec, tmp_path / "bc", config, show_progress=False)
-    model_dir = sft.train_sft(str(base), spec, tmp_path / "bc", config, show_progress=False)
-    log = [json.loads(line) for line in (tmp_path / "bc" / "log.jsonl").read_text().splitlines()]
-    assert [r["epoch"] for r in log] == [0, 0, 1, 1, 2, 2]  # epoch 0 not repeated
-    assert log[-1]["nll_per_token"] < log[0]["nll_per_token"]
-    assert (model_dir / "config.json").exists()
-    summary = json.loads((tmp_path / "bc" / "summary.json").read_text())
-    assert summary["demonstrations"]["envs"] == ["magic:easy"]
 
 
 # --- configuration, non-finite updates, checkpoints ------------------------------------------
@@ -213,7 +143,7 @@ def test_every_train_config_value_is_validated(field, value, message):
 
 def test_non_finite_steps_are_skipped_then_stop_training(tokenizer):
     model = tiny_model(tokenizer)
-    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=4), tokenizer, use_cache=False)
+    samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=4), tokenizer, use_cache=False)
     trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=1e-3, max_nonfinite_steps=2))
     before = [p.detach().clone() for p in trainer.unwrapped.parameters()]
 
@@ -238,7 +168,7 @@ def test_trainer_state_is_tensors_and_json_and_rng_resumes_exactly(tokenizer, tm
     import numpy as np
 
     trainer = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig(), seed=4)
-    samples, _ = demonstrations(DemoSpec(envs=("magic",), episodes=2), tokenizer, use_cache=False)
+    samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=2), tokenizer, use_cache=False)
     trainer.step(samples, cross_entropy_loss)
     random.random(), np.random.rand(), torch.rand(1)  # move every RNG off its seed
     trainer.save(tmp_path / "ckpt", extra={"epoch": 3, "generator": torch.arange(4)})
