@@ -314,10 +314,10 @@ def test_a_group_with_a_failed_episode_never_enters_the_update():
 class BrokenOnOddTasks(MagicWordEnv):
     """Raises on every step of odd task ids (an environment bug)."""
 
-    def step(self, text):
-        if self._task.id % 2:
-            raise ValueError(f"boom on task {self._task.id}")
-        return super().step(text)
+    def on_step(self, text):
+        if self.task.id % 2:
+            raise ValueError(f"boom on task {self.task.id}")
+        return super().on_step(text)
 
 
 def test_too_many_failed_episodes_fail_the_step_with_the_first_error():

@@ -10,9 +10,7 @@ import pytest
 
 from contrail.envs import EpisodeOver
 
-# BabyAI joins this list once it runs on the base hooks (contrail/envs/babyai/).
-NAMES = ["textcraft", "alfworld", "webshop", "searchqa"]
-
+NAMES = ["babyai", "textcraft", "alfworld", "webshop", "searchqa"]
 
 @pytest.fixture(params=NAMES)
 def fresh(request, make_env):
@@ -24,12 +22,10 @@ def fresh(request, make_env):
 
     return build
 
-
 def test_step_before_reset_is_a_runtime_error(fresh):
     env, _ = fresh()
     with pytest.raises(RuntimeError, match="reset"):
         env.step("Action: inventory")
-
 
 def test_the_turn_limit_ends_the_episode_then_step_and_expert_raise_episode_over(fresh):
     env, task = fresh()
@@ -41,7 +37,6 @@ def test_the_turn_limit_ends_the_episode_then_step_and_expert_raise_episode_over
     with pytest.raises(EpisodeOver):
         env.expert()
 
-
 def test_a_finished_episode_refuses_further_steps(fresh):
     env, task = fresh()
     env.reset(task)
@@ -52,7 +47,6 @@ def test_a_finished_episode_refuses_further_steps(fresh):
         env.step(env.acknowledgement)
     env.reset(task)  # a new episode plays again
     assert env.turns == 0 and not env.done and not env.step("not an action").done
-
 
 def test_bytes_are_the_same_text_and_other_types_a_type_error(fresh):
     (one, task), (other, _) = fresh(), fresh()
