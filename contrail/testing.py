@@ -31,7 +31,7 @@ BASE_WORDS = (
 
 def tiny_tokenizer(extra_words: tuple[str, ...] = ()):
     """A word-level chatML tokenizer over a small vocabulary (unknown words map to <unk>)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = list(dict.fromkeys(BASE_WORDS + list(extra_words) + list(".,:!?")))

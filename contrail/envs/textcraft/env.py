@@ -27,8 +27,8 @@ from contrail.envs.parsing import last_action
 from contrail.envs.textcraft.recipes import (
     Ingredient,
     PlannedStep,
-    RecipeBook,
     Recipe,
+    RecipeBook,
     item_id,
     item_name,
     load_recipe_book,

@@ -12,8 +12,8 @@ pytest.importorskip("fast_downward")
 
 from contrail.envs import make  # noqa: E402
 from contrail.envs.alfworld import games  # noqa: E402
-from contrail.envs.alfworld.env import NOTHING_HAPPENED, to_agentgym, to_engine  # noqa: E402
 from contrail.envs.alfworld.engine import ENGINES  # noqa: E402
+from contrail.envs.alfworld.env import NOTHING_HAPPENED, to_agentgym, to_engine  # noqa: E402
 from contrail.envs.alfworld.expert import parse_goal  # noqa: E402
 from contrail.envs.base import Task  # noqa: E402
 from contrail.envs.parsing import last_action  # noqa: E402

@@ -11,8 +11,8 @@ import pytest
 
 from contrail.envs import make
 from contrail.envs.base import EpisodeOver, Task
-from contrail.envs.searchqa.env import CORRECT_ANSWER, SearchQAEnv
 from contrail.envs.searchqa.data import Passage, load_passages, load_questions
+from contrail.envs.searchqa.env import CORRECT_ANSWER, SearchQAEnv
 from contrail.envs.searchqa.protocol import (
     INCORRECT_ANSWER,
     INVALID_ACTION,

@@ -9,8 +9,8 @@ import pytest
 
 import contrail.envs as envs
 from contrail.envs.base import EpisodeOver, Task
-from contrail.envs.webshop.env import INSTRUCTION, WebShopEnv, parse_action
 from contrail.envs.webshop.catalog import Product, build_catalog
+from contrail.envs.webshop.env import INSTRUCTION, WebShopEnv, parse_action
 from contrail.envs.webshop.goals import TEST_SIZE, TRAIN_SIZE, Goal, make_goal
 from contrail.envs.webshop.reward import purchase_reward, satisfies
 from contrail.envs.webshop.store import build_shop, forget_shops, get_shop
