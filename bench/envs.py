@@ -79,11 +79,19 @@ def first_use_worker(name: str, cache_dir: str) -> None:
         cls = envs.env_class(name)
         out["import"] = time.perf_counter() - start
         options = options_for(name, cache_dir)
-        t = time.perf_counter(); env = cls(**options); out["construct"] = time.perf_counter() - t
-        t = time.perf_counter(); tasks = env.tasks("test"); out["tasks"] = time.perf_counter() - t
-        t = time.perf_counter(); env.reset(tasks[0]); out["reset"] = time.perf_counter() - t
+        t = time.perf_counter()
+        env = cls(**options)
+        out["construct"] = time.perf_counter() - t
+        t = time.perf_counter()
+        tasks = env.tasks("test")
+        out["tasks"] = time.perf_counter() - t
+        t = time.perf_counter()
+        env.reset(tasks[0])
+        out["reset"] = time.perf_counter() - t
         text = env.expert()
-        t = time.perf_counter(); env.step(text); out["first_step"] = time.perf_counter() - t
+        t = time.perf_counter()
+        env.step(text)
+        out["first_step"] = time.perf_counter() - t
         env.close()
         out["total"] = sum(out.values())
         return out
@@ -116,11 +124,19 @@ def expert_episodes(name: str, cache_dir: str, episodes: int, max_steps: int) ->
     construct, reset, step, expert = [], [], [], []
     successes = 0
     for task in tasks:
-        t = time.perf_counter(); env = envs.make(name, **options); construct.append(time.perf_counter() - t)
-        t = time.perf_counter(); env.reset(task); reset.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        env = envs.make(name, **options)
+        construct.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        env.reset(task)
+        reset.append(time.perf_counter() - t)
         for _ in range(max_steps):
-            t = time.perf_counter(); text = env.expert(); expert.append(time.perf_counter() - t)
-            t = time.perf_counter(); result = env.step(text); step.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            text = env.expert()
+            expert.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            result = env.step(text)
+            step.append(time.perf_counter() - t)
             if result.done:
                 successes += bool(result.success)
                 break
@@ -190,6 +206,28 @@ def report_parse_costs(out, names: list[str], cache_dir: str, size: int, report:
                     ["env", *labels, "slowest"], rows))
 
 
+def report_first_use(out, names: list[str], cache_dir: str, report: dict, notes: list[str]) -> None:
+    """Time each environment's first use in fresh processes (empty cache, then cached) and in the same one."""
+    rows = []
+    for name in names:
+        for label in ("fresh process, empty disk cache", "fresh process, cache on disk", "same process again"):
+            if label == "same process again":
+                r = report["envs"].get(name, {}).get("fresh process, cache on disk", {}).get("second")
+                if r is None:
+                    continue
+            else:
+                result = first_use(name, cache_dir)
+                report["envs"].setdefault(name, {})[label] = result
+                if "error" in result:
+                    notes.append(f"{name}: skipped ({result['error']})")
+                    break
+                r = result["first"]
+            rows.append([name, label] + [fmt(1e3 * r[k]) for k in
+                                         ("import", "construct", "tasks", "reset", "first_step", "total")])
+    out.print(table("first use (ms): the one-off index / catalogue build",
+                    ["env", "when", "import", "construct", "tasks()", "reset()", "first step", "total"], rows))
+
+
 # --- the report -------------------------------------------------------------------------
 
 
@@ -213,24 +251,7 @@ def main(argv=None) -> None:
         return
 
     if not args.skip_first_use:
-        rows = []
-        for name in names:
-            for label in ("fresh process, empty disk cache", "fresh process, cache on disk", "same process again"):
-                if label == "same process again":
-                    r = report["envs"].get(name, {}).get("fresh process, cache on disk", {}).get("second")
-                    if r is None:
-                        continue
-                else:
-                    result = first_use(name, cache_dir)
-                    report["envs"].setdefault(name, {})[label] = result
-                    if "error" in result:
-                        notes.append(f"{name}: skipped ({result['error']})")
-                        break
-                    r = result["first"]
-                rows.append([name, label] + [fmt(1e3 * r[k]) for k in
-                                             ("import", "construct", "tasks", "reset", "first_step", "total")])
-        out.print(table("first use (ms): the one-off index / catalogue build",
-                        ["env", "when", "import", "construct", "tasks()", "reset()", "first step", "total"], rows))
+        report_first_use(out, names, cache_dir, report, notes)
 
     policy = load_policy(args.model)
     warm = HFBackend(policy.model, frozenset(), policy.tokenizer.pad_token_id)

@@ -67,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--generated", type=float, default=0.6, help="share of tokens with mask 1")
     parser.add_argument("--updates", type=int, default=1, help="timed updates per precision (after one warm-up)")
     parser.add_argument("--precisions", default="fp32,bf16")
-    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="default: the library's (CPU), 16384 (GPU)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="default: the library's (CPU), 16384 (GPU)")
     parser.add_argument("--matmul-size", type=int, default=2048)
     # (b)
     parser.add_argument("--compare-model", default="tiny", help="model for (b): 'tiny', 'smollm2-135m', an id")
@@ -217,9 +218,11 @@ def update_throughput(args, out, device: str = "cpu") -> dict:
             "tokens_per_s" in results["bf16"]:
         results["bf16_over_fp32"] = results["bf16"]["tokens_per_s"] / results["fp32"]["tokens_per_s"]
     memory = "peak GPU GiB" if args.gpu else "peak RSS GiB"
+    flop_multiplier = next((r["flop_multiplier"] for r in results.values()
+                            if isinstance(r, dict) and "flop_multiplier" in r), "?")
     title = (f"(a) one GRPO update ({'Qwen2.5-1.5B shape' if args.gpu else args.model}): {args.batch} x "
              f"{args.seq_len} tokens, {args.generated:.0%} generated; FLOPs = "
-             f"{next((r['flop_multiplier'] for r in results.values() if isinstance(r, dict) and 'flop_multiplier' in r), '?')}"
+             f"{flop_multiplier}"
              " x params x tokens")
     out.print(table(title, ["precision", "params", "tokens", "generated", "update s", "tokens/s", "GFLOP/s",
                             "matmul peak GFLOP/s", "of peak", memory], rows))
@@ -298,9 +301,11 @@ def trl_worker(args) -> dict:
                 step = episode["env"].step(text)
                 episode["reward"] = float(step.reward)
                 close = chat.close_after(ids)
-                following = [] if step.done or episode["turns"] >= episode["limit"] else chat.user_turn_ids(step.observation)
+                following = ([] if step.done or episode["turns"] >= episode["limit"]
+                             else chat.user_turn_ids(step.observation))
                 total = len(episode["prompt"]) + len(episode["completion"]) + len(close) + len(following)
-                if step.done or episode["turns"] >= episode["limit"] or total + args.max_new_tokens > args.max_episode_tokens:
+                if (step.done or episode["turns"] >= episode["limit"]
+                        or total + args.max_new_tokens > args.max_episode_tokens):
                     episode["done"] = True
                     continue
                 episode["completion"] += close + following

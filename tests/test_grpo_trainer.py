@@ -248,7 +248,8 @@ def test_loss_terms_and_editors_can_be_removed():
     remove()
     assert "term_ran" not in trainer.update(fake_groups(tokenizer, [1.0, 0.0, 0.0, 1.0], group_size=2))
     calls = []
-    remove_editor = trainer.add_trajectory_editor(lambda trajectories, t: calls.append(len(trajectories)) or trajectories)
+    remove_editor = trainer.add_trajectory_editor(
+        lambda trajectories, t: calls.append(len(trajectories)) or trajectories)
     trainer.step(CyclingSampler(train_tasks()))
     remove_editor()
     trainer.step(CyclingSampler(train_tasks()))

@@ -67,7 +67,8 @@ def test_micro_batching_gives_the_same_gradient_as_one_batch(tokenizer):
     grads = []
     for budget in (10_000, 40):
         model = tiny_model(tokenizer, seed=5)
-        trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=1e-3, micro_batch_tokens=budget, max_grad_norm=1e9))
+        config = TrainConfig(lr=1e-3, micro_batch_tokens=budget, max_grad_norm=1e9)
+        trainer = MaskedTokenTrainer(model, tokenizer, config)
         trainer.optimizer.step = lambda: None  # keep the gradient of the first step
         trainer.optimizer.zero_grad = lambda set_to_none=True: None
         stats = trainer.step(samples, cross_entropy_loss)

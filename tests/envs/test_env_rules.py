@@ -60,4 +60,5 @@ def test_bytes_are_the_same_text_and_other_types_a_type_error(fresh):
     assert not garbage_bytes.valid and garbage_bytes.observation == garbage_text.observation
     text = one.expert()
     as_text, as_bytes = one.step(text), other.step(text.encode("utf-8"))
-    assert (as_bytes.observation, as_bytes.reward, as_bytes.valid) == (as_text.observation, as_text.reward, as_text.valid)
+    assert (as_bytes.observation, as_bytes.reward, as_bytes.valid) == (
+        as_text.observation, as_text.reward, as_text.valid)

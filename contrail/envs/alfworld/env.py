@@ -95,7 +95,8 @@ class _FileCatalogue:
     """Real ``game.tw-pddl`` files, per split; ids index the sorted files (test ids offset)."""
 
     def __init__(self, files: Mapping[str, Sequence[str]]) -> None:
-        self.entries = {split: [_file_entry(path) for path in sorted(files.get(split, ()))] for split in ("train", "test")}
+        self.entries = {split: [_file_entry(path) for path in sorted(files.get(split, ()))]
+                        for split in ("train", "test")}
         self.entries = {split: [e for e in entries if e is not None] for split, entries in self.entries.items()}
 
     def ids(self, split: str) -> list[int]:
@@ -191,13 +192,21 @@ _THOUGHTS = {
         "Next I will bring {item} to {place}.",
         "I have {item}; {place} is where it belongs.",
     ),
-    "place": ("I will put {item} in/on {place}.", "Let me put {item} in/on {place}.", "Now I place {item} in/on {place}."),
+    "place": (
+        "I will put {item} in/on {place}.",
+        "Let me put {item} in/on {place}.",
+        "Now I place {item} in/on {place}.",
+    ),
     "go_drop": (
         "I am holding {item}, which the task does not need. I will take it to {place}.",
         "First I must free my hands; {place} can hold {item}.",
         "Let me bring {item} to {place} and leave it there.",
     ),
-    "drop": ("I will put {item} down in/on {place}.", "Let me leave {item} in/on {place}.", "I put {item} in/on {place}."),
+    "drop": (
+        "I will put {item} down in/on {place}.",
+        "Let me leave {item} in/on {place}.",
+        "I put {item} in/on {place}.",
+    ),
     "go_lamp": (
         "I have the object. Now I need light: {item} is at {place}.",
         "Next I should go to {place}, where {item} is.",
@@ -222,7 +231,9 @@ def _require_engine() -> None:
         import fast_downward  # noqa: F401
         import textworld  # noqa: F401
     except ImportError as error:
-        raise ImportError(f"the alfworld environment needs the extra: pip install 'contrail[alfworld]' ({error})") from error
+        raise ImportError(
+            f"the alfworld environment needs the extra: pip install 'contrail[alfworld]' ({error})"
+        ) from error
 
 
 @register("alfworld")

@@ -280,7 +280,8 @@ def _random_point(scene: Scene, rng: random.Random) -> tuple[float, float, int, 
 
 def _unique_id(kind: str, taken: set[str], rng: random.Random, near=(0.0, 0.0)) -> str:
     while True:
-        object_id = _thor_id(kind, near[0] + rng.uniform(-0.6, 0.6), rng.uniform(0.0, 2.0), near[1] + rng.uniform(-0.6, 0.6))
+        object_id = _thor_id(kind, near[0] + rng.uniform(-0.6, 0.6), rng.uniform(0.0, 2.0),
+                             near[1] + rng.uniform(-0.6, 0.6))
         if object_id not in taken:
             taken.add(object_id)
             return object_id
@@ -383,7 +384,8 @@ def _init_facts(world: _Placement) -> list[str]:
         facts.append(f"(pickupable {name})")
         if kind in c.MOVABLE_RECEPTACLES_SET:
             facts.append(f"(isReceptacleObject {name})")
-        for prop, predicate in (("Cleanable", "cleanable"), ("Heatable", "heatable"), ("Coolable", "coolable"), ("Sliceable", "sliceable")):
+        for prop, predicate in (("Cleanable", "cleanable"), ("Heatable", "heatable"),
+                                ("Coolable", "coolable"), ("Sliceable", "sliceable")):
             if kind in c.VAL_ACTION_OBJECTS[prop]:
                 facts.append(f"({predicate} {name})")
     for receptacle_type in sorted(receptacle_types):

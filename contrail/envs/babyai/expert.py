@@ -18,17 +18,37 @@ _TURN_DISCOUNT = 2  # plan steps a macro that lands facing the wrong way is wort
 # "toggle and go through" must come before "toggle": the first matching prefix names the kind.
 _PHRASES = {
     "go to": ("I should go to the {obj} next.", "Next I head to the {obj}.", "Going to the {obj} is my next step."),
-    "pickup": ("I need to pick up the {obj}.", "The {obj} is reachable, so I pick it up.", "I will pick up the {obj} now."),
-    "drop": ("I should put down what I am carrying here.", "I drop the object I am holding here.", "Time to drop what I carry."),
-    "go through": ("I will go through the {obj}.", "The {obj} is open, so I walk through it.", "I pass through the {obj}."),
+    "pickup": (
+        "I need to pick up the {obj}.",
+        "The {obj} is reachable, so I pick it up.",
+        "I will pick up the {obj} now.",
+    ),
+    "drop": (
+        "I should put down what I am carrying here.",
+        "I drop the object I am holding here.",
+        "Time to drop what I carry.",
+    ),
+    "go through": (
+        "I will go through the {obj}.",
+        "The {obj} is open, so I walk through it.",
+        "I pass through the {obj}.",
+    ),
     "toggle and go through": (
         "I open the {obj} and go through it.",
         "I open the {obj} and pass through it.",
         "I will toggle the {obj} and walk through.",
     ),
-    "toggle": ("I toggle what is right in front of me.", "I open what is in front of me.", "Toggling the thing ahead is next."),
+    "toggle": (
+        "I toggle what is right in front of me.",
+        "I open what is in front of me.",
+        "Toggling the thing ahead is next.",
+    ),
     "turn left": ("I turn left to face where I need to go.", "Turning left is the way forward.", "I turn to my left."),
-    "turn right": ("I turn right to face where I need to go.", "Turning right is the way forward.", "I turn to my right."),
+    "turn right": (
+        "I turn right to face where I need to go.",
+        "Turning right is the way forward.",
+        "I turn to my right.",
+    ),
     "move forward": ("I move forward.", "I step forward.", "Moving ahead is the way to go."),
     "check available actions": ("Let me check which actions I can take.",) * 3,
 }

@@ -70,14 +70,18 @@ class ExpertBot(BabyAIBot):
 
     def _process_instr(self, instr):
         if isinstance(instr, (BeforeInstr, AfterInstr, AndInstr)):
-            first, second = (instr.instr_b, instr.instr_a) if isinstance(instr, AfterInstr) else (instr.instr_a, instr.instr_b)
+            if isinstance(instr, AfterInstr):
+                first, second = instr.instr_b, instr.instr_a
+            else:
+                first, second = instr.instr_a, instr.instr_b
             done = {id(instr.instr_a): instr.a_done == "success", id(instr.instr_b): instr.b_done == "success"}
             for part in (second, first):  # the stack runs its top (the first part) first
                 if not done[id(part)]:
                     self._process_instr(part)
             return
         carried = self.mission.unwrapped.carrying
-        if isinstance(instr, PutNextInstr) and carried is not None and any(carried is obj for obj in instr.desc_move.obj_set):
+        if (isinstance(instr, PutNextInstr) and carried is not None
+                and any(carried is obj for obj in instr.desc_move.obj_set)):
             self._keeps_carried = True
             self.stack.append(DropSubgoal(self))
             self.stack.append(GoNextToSubgoal(self, instr.desc_fixed, reason="PutNext"))
@@ -95,7 +99,8 @@ class ExpertBot(BabyAIBot):
         for door in door_desc.obj_set:
             if not door.is_locked:
                 continue
-            key_in_hand = level.carrying is not None and level.carrying.type == "key" and level.carrying.color == door.color
+            key_in_hand = (level.carrying is not None and level.carrying.type == "key"
+                           and level.carrying.color == door.color)
             cells = [cell for cell in level.grid.grid if cell is not None]
             if key_in_hand or any(cell.type == "key" and cell.color == door.color for cell in cells):
                 continue
@@ -176,8 +181,8 @@ class ExpertBot(BabyAIBot):
                 if cell.type != "door" and not ignore_blockers:
                     continue
             # Straight ahead first, so paths prefer not to turn.
-            for k, l in ((di, dj), (dj, di), (-dj, -di), (-di, -dj)):
-                queue.append(((i + k, j + l, k, l), (i, j)))
+            for next_di, next_dj in ((di, dj), (dj, di), (-dj, -di), (-di, -dj)):
+                queue.append(((i + next_di, j + next_dj, next_di, next_dj), (i, j)))
         return None, None, previous_pos
 
     def _check_erroneous_box_opening(self, action):

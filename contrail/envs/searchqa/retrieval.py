@@ -70,7 +70,8 @@ def _save_atomically(target: Path, write) -> None:
         except OSError:  # another process finished first: its copy is as good as ours
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as error:
-        warnings.warn(f"SearchQA could not cache its index in {target} ({error}); it will be rebuilt next time")
+        warnings.warn(f"SearchQA could not cache its index in {target} ({error}); it will be rebuilt next time",
+                      stacklevel=2)
 
 
 class BM25Retriever:

@@ -274,7 +274,8 @@ def test_real_game_files_load_through_the_same_class(tmp_path):
     assert test[0].difficulty == "hard"
     steps = play_expert(real, test[0])
     assert steps[-1].success
-    listed = make("alfworld", game_files={"train": [], "test": [str(p) for p in tmp_path.rglob("valid_unseen/**/game.tw-pddl")]})
+    unseen = [str(p) for p in tmp_path.rglob("valid_unseen/**/game.tw-pddl")]
+    listed = make("alfworld", game_files={"train": [], "test": unseen})
     assert [t.id for t in listed.tasks("test")] == [t.id for t in test]
     assert isinstance(listed.tasks("test")[0], Task)
 

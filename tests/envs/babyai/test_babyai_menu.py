@@ -76,7 +76,8 @@ def test_doors_toggle_when_faced_and_an_unreachable_one_gets_agentgyms_counter_m
     door = (6, 1)
     shut = action_menu(level(), view_of(thing("door", door, "green", "closed"), *walled(door)))
     assert shut.errors["toggle and go through green closed door 1"] == (
-        "You cannot toggle and go through green closed door {'green closed door': 1}, as there is no path leading to it."
+        "You cannot toggle and go through green closed door {'green closed door': 1}, "
+        "as there is no path leading to it."
     )
     locked = action_menu(level(), view_of(thing("door", (5, 3), "blue", "locked")))
     assert locked.errors["toggle and go through blue locked door 1"].endswith("as you are not carrying a key.")

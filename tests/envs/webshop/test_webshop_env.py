@@ -43,7 +43,8 @@ def search_first_task(env: WebShopEnv, difficulty: str = "hard") -> tuple[Task, 
     task = env.tasks("test", difficulty)[0]
     env.reset(task)
     goal = env.goal
-    return task, goal, env.step(f"Thought:\nI think I should search.\n\nAction:\nsearch[{goal.search_words}]").observation
+    step = env.step(f"Thought:\nI think I should search.\n\nAction:\nsearch[{goal.search_words}]")
+    return task, goal, step.observation
 
 
 # --- registry, instruction, tasks ----------------------------------------------------
@@ -239,7 +240,8 @@ def test_malformed_output_leaves_the_page_unchanged(env, bad):
     for _ in range(2):  # on the results page, then on an item page
         before = env.observation()
         step = env.step(bad)
-        assert (step.observation, step.reward, step.done, step.valid, step.success) == (before, 0.0, False, False, False)
+        assert (step.observation, step.reward, step.done, step.valid, step.success) == (
+            before, 0.0, False, False, False)
         env.step(f"Action: click[{env.view.results[0]}]")
 
 
@@ -367,7 +369,8 @@ def test_weak_title_overlap_halves_or_cuts_the_reward():
     # one of five target nouns, no query or category match: title_score 0.2 -> r_type 0.5
     half = shoe(title="Acme Lightweight Slippers", query="slippers", category="elsewhere › home › slippers")
     assert purchase_reward(half, {"size": "8", "color": "black"}, many_nouns).r_type == 0.5
-    eleven = Goal(**{**SHOE_GOAL.__dict__, "title": "shoes sneakers mesh boots slippers leather suede rubber fleece shirt tee"})
+    eleven = Goal(**{**SHOE_GOAL.__dict__,
+                     "title": "shoes sneakers mesh boots slippers leather suede rubber fleece shirt tee"})
     # one of eleven: title_score < 0.1 -> r_type 0.1, even with a query match
     tenth = shoe(title="Acme Tee")
     assert purchase_reward(tenth, {"size": "8", "color": "black"}, eleven).r_type == 0.1
