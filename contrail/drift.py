@@ -20,8 +20,9 @@ Three measures per stage, pure functions the runner stores in a row's
   (lost) and the reverse (gained), from per-task success rates.
 
 Wiring in the runner: after row 0, `start_samples` keeps each test
-experience's sampled token ids, masks and log-probs (`save_samples` writes
-them as JSON, so a resumed run has them too); after each stage,
+experience's sampled token ids and masks, `score_samples` gives them the
+start model's own log-probs (so row 0 is exactly 0 whatever the sampler), and
+`save_samples` writes them as JSON, so a resumed run has them too; after each stage,
 `kl_to_start(model, samples)` gives the per-experience KL, and
 `parameter_change(previous_state, model.state_dict())` the share of moved
 parameters; `drift_row(...)` is the row's ``"drift"`` value.
@@ -56,6 +57,7 @@ __all__ = [
     "parameter_change",
     "policy_kl",
     "save_samples",
+    "score_samples",
     "start_samples",
     "task_successes",
     "turnover",
@@ -182,9 +184,48 @@ def start_samples(trajectories: Mapping[str, Sequence[Any]], *,
     return out
 
 
+@torch.no_grad()
+def score_samples(model, samples: Mapping[str, Samples], *, batch_size: int = 8,
+                  pad_id: int = 0) -> dict[str, Samples]:
+    """``samples`` with ``logprobs`` replaced by ``model``'s own (untempered) log-probs of the sampled tokens.
+
+    The runner scores the start model's samples with the start model itself:
+    `kl_to_start` then compares two forward passes of the same kind, so row 0
+    is exactly 0 whatever the sampler (its temperature, top-p, numerics or
+    engine). At temperature 1 and top-p 1 the result is ``KL(start ‖ policy)``;
+    otherwise the tokens come from the tempered start distribution and the
+    estimate is ``E_{x ~ tempered start}[log start(x) − log policy(x)]``.
+    Position 0 is never scored (0.0), as in the sampler's own record.
+    """
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    try:
+        return {name: _scored(model, s, batch_size, pad_id) for name, s in samples.items()}
+    finally:
+        if was_training:
+            model.train()
+
+
+def _scored(model, samples: Samples, batch_size: int, pad_id: int) -> Samples:
+    logprobs: list[list[float]] = []
+    lengths = [len(row) for row in samples.ids]
+    for ids, attention, scored in _batches(samples.ids, samples.masks, batch_size, pad_id, _device(model)):
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        picked, _, _ = _token_terms(logits, None, ids[:, 1:], 128)
+        picked = torch.where(scored, picked, torch.zeros_like(picked))
+        for row in picked.cpu().tolist():
+            length = lengths[len(logprobs)]
+            logprobs.append([0.0] + row[:length - 1] if length else [])
+    return Samples([list(r) for r in samples.ids], [list(m) for m in samples.masks], logprobs)
+
+
 def save_samples(path: str | Path, samples: Mapping[str, Samples]) -> None:
-    """Write samples as JSON (nothing loaded back runs code)."""
-    Path(path).write_text(json.dumps({name: asdict(s) for name, s in samples.items()}), encoding="utf-8")
+    """Write samples as JSON (nothing loaded back runs code), atomically: a kill leaves the old file or none."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({name: asdict(s) for name, s in samples.items()}), encoding="utf-8")
+    partial.replace(path)
 
 
 def load_samples(path: str | Path) -> dict[str, Samples]:
