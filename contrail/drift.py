@@ -19,7 +19,7 @@ Three measures per stage, pure functions the runner stores in a row's
 - `turnover`: the test tasks solved at row ``s − 1`` and failed at row ``s``
   (lost) and the reverse (gained), from per-task success rates.
 
-Wiring in the runner: after row 0, `start_samples` keeps each test
+Wiring in the runner (`DriftTracker` holds what is measured against): after row 0, `start_samples` keeps each test
 experience's sampled token ids and masks, `score_samples` gives them the
 start model's own log-probs (so row 0 is exactly 0 whatever the sampler), and
 `save_samples` writes them as JSON, so a resumed run has them too; after each stage,
@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DriftTracker",
     "KLEstimate",
     "ParameterChange",
     "Samples",
@@ -425,3 +426,44 @@ def drift_row(kl: Mapping[str, KLEstimate] | None = None, params: ParameterChang
     if params is not None:
         out["params"] = params.to_dict()
     return out
+
+
+# --- the runner's bookkeeping ------------------------------------------------------------------
+
+
+class DriftTracker:
+    """What each stage's ``"drift"`` entry is measured against: the start model's samples, the previous weights.
+
+    ``previous`` is a CPU copy of ``model``'s trainable parameters as the last
+    measured stage left them (at construction: the weights the model has
+    then, the start model before stage 1 or a resumed run's checkpoint),
+    replaced after every `measure`: one copy of the trainable weights is held.
+    Frozen parameters cannot change and are not copied (LoRA: the adapter is
+    what is compared). The start samples live in ``samples_path`` (JSON);
+    when it is missing, `measure` gives no KL.
+    """
+
+    def __init__(self, model, samples_path: str | Path, *, pad_id: int = 0, batch_size: int = 8) -> None:
+        self.model, self.path = model, Path(samples_path)
+        self.pad_id, self.batch_size = pad_id, batch_size
+        self.samples = load_samples(self.path) if self.path.is_file() else None
+        self.previous = self._trainable()
+
+    def keep_start_samples(self, trajectories: Mapping[str, Sequence[Any]]) -> None:
+        """Keep the start model's row-0 episodes, scored by the model itself (`score_samples`), and save them."""
+        self.samples = score_samples(self.model, start_samples(trajectories), batch_size=self.batch_size,
+                                     pad_id=self.pad_id)
+        save_samples(self.path, self.samples)
+
+    def measure(self) -> dict[str, Any]:
+        """The ``"drift"`` entry of the stage just trained; its weights become the next stage's baseline."""
+        kl = None
+        if self.samples:
+            kl = kl_to_start(self.model, self.samples, batch_size=self.batch_size, pad_id=self.pad_id)
+        current = self._trainable()
+        params = parameter_change(self.previous, current)
+        self.previous = current
+        return drift_row(kl=kl, params=params)
+
+    def _trainable(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters() if p.requires_grad}

@@ -145,7 +145,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         _truncate_log(run_dir.path / GRPO_LOG, trainer.step_count)
         _drop_stale_checkpoints(run_dir, done)
     evaluator = _make_evaluator(experiment, stream, show_progress)
-    tracker = _DriftTracker(run_dir, trainer) if experiment.eval.drift and processes.is_main_process else None
+    tracker = _drift_tracker(run_dir, trainer) if experiment.eval.drift and processes.is_main_process else None
     if done < 0 and processes.is_main_process:
         row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
         episodes: dict[str, list] = {}
@@ -336,7 +336,7 @@ def _make_evaluator(experiment: Experiment, stream: Stream, show_progress: bool)
 
 def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTrainer, stream: Stream,
                evaluator: Evaluator, run_dir: RunDir, experiment: Experiment, processes: PartialState,
-               tracker: _DriftTracker | None = None) -> None:
+               tracker: drift.DriftTracker | None = None) -> None:
     """Train ``stage``, checkpoint it, evaluate (and measure drift), record its row, then drop state it made
     unneeded."""
     started = time.perf_counter()
@@ -404,41 +404,9 @@ def _evaluate(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir, stage
                      episodes=episodes)
 
 
-class _DriftTracker:
-    """What a stage's ``"drift"`` entry is measured against: the start model's samples, the previous weights.
-
-    ``previous`` is a CPU copy of the trainable parameters as the last
-    recorded stage left them (the start model before stage 1): one copy of
-    the trainable weights, replaced after every stage. The start samples
-    live in ``drift-start.json``; a run whose file is missing (a kill after
-    row 0 would have written it first, so only a run started by other code)
-    gets no KL.
-    """
-
-    def __init__(self, run_dir: RunDir, trainer: GRPOTrainer) -> None:
-        self.path = run_dir.path / DRIFT_SAMPLES
-        self.model = trainer.model
-        self.pad_id = trainer.tokenizer.pad_token_id or 0
-        self.samples = drift.load_samples(self.path) if self.path.is_file() else None
-        self.previous = self._trainable()
-
-    def keep_start_samples(self, episodes: dict[str, list]) -> None:
-        """Score row 0's episodes with the start model itself and keep them (memory and ``drift-start.json``)."""
-        self.samples = drift.score_samples(self.model, drift.start_samples(episodes), pad_id=self.pad_id)
-        drift.save_samples(self.path, self.samples)
-
-    def measure(self) -> dict[str, Any]:
-        """The ``"drift"`` entry of the stage just trained; the current weights become the next one's baseline."""
-        kl = drift.kl_to_start(self.model, self.samples, pad_id=self.pad_id) if self.samples else None
-        current = self._trainable()
-        params = drift.parameter_change(self.previous, current)
-        self.previous = current
-        return drift.drift_row(kl=kl, params=params)
-
-    def _trainable(self) -> dict[str, Any]:
-        # Only what training moves (LoRA: the adapter); frozen weights cannot have changed.
-        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()
-                if p.requires_grad}
+def _drift_tracker(run_dir: RunDir, trainer: GRPOTrainer) -> drift.DriftTracker:
+    # Built after the weights (and a resumed run's checkpoint) are in place: they are stage 1's baseline.
+    return drift.DriftTracker(trainer.model, run_dir.path / DRIFT_SAMPLES, pad_id=trainer.tokenizer.pad_token_id or 0)
 
 
 def _record(run_dir: RunDir, stage: int, name: str, trained: Sequence[str], results: dict[str, EvalResult],
