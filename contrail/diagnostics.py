@@ -9,9 +9,9 @@ rules, in the order `TAGS` lists them:
     At least `STREAK` (3) consecutive model turns were invalid actions. A
     turn's validity comes, first, from the ``"valid"`` flag on its assistant
     message (the rollout records the environment's own ``Step.valid`` there);
-    for records without one (older runs), from the environment's rule below; a turn still unknown is settled by the record's
-    ``invalid_actions`` count when that leaves no doubt (all remaining turns
-    valid, or all invalid). Unknown turns break a streak.
+    for records without one (older runs), from the environment's rule below;
+    a turn still unknown is settled by the record's ``invalid_actions`` count
+    when that leaves no doubt (all remaining turns valid, or all invalid). Unknown turns break a streak.
 
     - BabyAI: not exactly one ``Action:`` line, or an action not in the
       ``Available actions: [...]`` list of the observation it answered.
