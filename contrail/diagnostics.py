@@ -7,11 +7,11 @@ rules, in the order `TAGS` lists them:
 
 ``invalid_streak``
     At least `STREAK` (3) consecutive model turns were invalid actions. A
-    turn's validity comes, first, from a ``"valid"`` flag on its assistant
-    message when the rollout records one; otherwise from the environment's
-    own rule below; a turn still unknown is settled by the record's
-    ``invalid_actions`` count when that leaves no doubt (all remaining turns
-    valid, or all invalid). Unknown turns break a streak.
+    turn's validity comes, first, from the ``"valid"`` flag on its assistant
+    message (the rollout records the environment's own ``Step.valid`` there);
+    for records without one (older runs), from the environment's rule below;
+    a turn still unknown is settled by the record's ``invalid_actions`` count
+    when that leaves no doubt (all remaining turns valid, or all invalid). Unknown turns break a streak.
 
     - BabyAI: not exactly one ``Action:`` line, or an action not in the
       ``Available actions: [...]`` list of the observation it answered.
@@ -49,8 +49,10 @@ rules, in the order `TAGS` lists them:
     - SearchQA: none (its fabricated answers are ``unsupported_answer``).
 ``out_of_turns``
     Not solved, no error, not truncated, and the turn limit was used up
-    (``turns >= turn_limit``; the limit is the caller's, else AgentGym-RL's
-    default of the environment, `DEFAULT_TURN_LIMITS`). A WebShop episode
+    (``turns >= turn_limit``; the limit is the caller's -- the report passes
+    ``plan.json``'s ``turn_limits``, the evaluation's actual limit per test
+    experience -- else AgentGym-RL's default of the environment,
+    `DEFAULT_TURN_LIMITS`). A WebShop episode
     whose last action bought something ended by its own choice, not by the limit.
 ``truncated``
     The episode's tokens would have overflowed ``max_episode_tokens``.

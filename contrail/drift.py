@@ -19,9 +19,10 @@ Three measures per stage, pure functions the runner stores in a row's
 - `turnover`: the test tasks solved at row ``s − 1`` and failed at row ``s``
   (lost) and the reverse (gained), from per-task success rates.
 
-Wiring in the runner: after row 0, `start_samples` keeps each test
-experience's sampled token ids, masks and log-probs (`save_samples` writes
-them as JSON, so a resumed run has them too); after each stage,
+Wiring in the runner (`DriftTracker` holds what is measured against): after row 0, `start_samples` keeps each test
+experience's sampled token ids and masks, `score_samples` gives them the
+start model's own log-probs (so row 0 is exactly 0 whatever the sampler), and
+`save_samples` writes them as JSON, so a resumed run has them too; after each stage,
 `kl_to_start(model, samples)` gives the per-experience KL, and
 `parameter_change(previous_state, model.state_dict())` the share of moved
 parameters; `drift_row(...)` is the row's ``"drift"`` value.
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DriftTracker",
     "KLEstimate",
     "ParameterChange",
     "Samples",
@@ -56,6 +58,7 @@ __all__ = [
     "parameter_change",
     "policy_kl",
     "save_samples",
+    "score_samples",
     "start_samples",
     "task_successes",
     "turnover",
@@ -182,9 +185,48 @@ def start_samples(trajectories: Mapping[str, Sequence[Any]], *,
     return out
 
 
+@torch.no_grad()
+def score_samples(model, samples: Mapping[str, Samples], *, batch_size: int = 8,
+                  pad_id: int = 0) -> dict[str, Samples]:
+    """``samples`` with ``logprobs`` replaced by ``model``'s own (untempered) log-probs of the sampled tokens.
+
+    The runner scores the start model's samples with the start model itself:
+    `kl_to_start` then compares two forward passes of the same kind, so row 0
+    is exactly 0 whatever the sampler (its temperature, top-p, numerics or
+    engine). At temperature 1 and top-p 1 the result is ``KL(start ‖ policy)``;
+    otherwise the tokens come from the tempered start distribution and the
+    estimate is ``E_{x ~ tempered start}[log start(x) − log policy(x)]``.
+    Position 0 is never scored (0.0), as in the sampler's own record.
+    """
+    was_training = getattr(model, "training", False)
+    if hasattr(model, "eval"):
+        model.eval()
+    try:
+        return {name: _scored(model, s, batch_size, pad_id) for name, s in samples.items()}
+    finally:
+        if was_training:
+            model.train()
+
+
+def _scored(model, samples: Samples, batch_size: int, pad_id: int) -> Samples:
+    logprobs: list[list[float]] = []
+    lengths = [len(row) for row in samples.ids]
+    for ids, attention, scored in _batches(samples.ids, samples.masks, batch_size, pad_id, _device(model)):
+        logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]
+        picked, _, _ = _token_terms(logits, None, ids[:, 1:], 128)
+        picked = torch.where(scored, picked, torch.zeros_like(picked))
+        for row in picked.cpu().tolist():
+            length = lengths[len(logprobs)]
+            logprobs.append([0.0] + row[:length - 1] if length else [])
+    return Samples([list(r) for r in samples.ids], [list(m) for m in samples.masks], logprobs)
+
+
 def save_samples(path: str | Path, samples: Mapping[str, Samples]) -> None:
-    """Write samples as JSON (nothing loaded back runs code)."""
-    Path(path).write_text(json.dumps({name: asdict(s) for name, s in samples.items()}), encoding="utf-8")
+    """Write samples as JSON (nothing loaded back runs code), atomically: a kill leaves the old file or none."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({name: asdict(s) for name, s in samples.items()}), encoding="utf-8")
+    partial.replace(path)
 
 
 def load_samples(path: str | Path) -> dict[str, Samples]:
@@ -384,3 +426,44 @@ def drift_row(kl: Mapping[str, KLEstimate] | None = None, params: ParameterChang
     if params is not None:
         out["params"] = params.to_dict()
     return out
+
+
+# --- the runner's bookkeeping ------------------------------------------------------------------
+
+
+class DriftTracker:
+    """What each stage's ``"drift"`` entry is measured against: the start model's samples, the previous weights.
+
+    ``previous`` is a CPU copy of ``model``'s trainable parameters as the last
+    measured stage left them (at construction: the weights the model has
+    then, the start model before stage 1 or a resumed run's checkpoint),
+    replaced after every `measure`: one copy of the trainable weights is held.
+    Frozen parameters cannot change and are not copied (LoRA: the adapter is
+    what is compared). The start samples live in ``samples_path`` (JSON);
+    when it is missing, `measure` gives no KL.
+    """
+
+    def __init__(self, model, samples_path: str | Path, *, pad_id: int = 0, batch_size: int = 8) -> None:
+        self.model, self.path = model, Path(samples_path)
+        self.pad_id, self.batch_size = pad_id, batch_size
+        self.samples = load_samples(self.path) if self.path.is_file() else None
+        self.previous = self._trainable()
+
+    def keep_start_samples(self, trajectories: Mapping[str, Sequence[Any]]) -> None:
+        """Keep the start model's row-0 episodes, scored by the model itself (`score_samples`), and save them."""
+        self.samples = score_samples(self.model, start_samples(trajectories), batch_size=self.batch_size,
+                                     pad_id=self.pad_id)
+        save_samples(self.path, self.samples)
+
+    def measure(self) -> dict[str, Any]:
+        """The ``"drift"`` entry of the stage just trained; its weights become the next stage's baseline."""
+        kl = None
+        if self.samples:
+            kl = kl_to_start(self.model, self.samples, batch_size=self.batch_size, pad_id=self.pad_id)
+        current = self._trainable()
+        params = parameter_change(self.previous, current)
+        self.previous = current
+        return drift_row(kl=kl, params=params)
+
+    def _trainable(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters() if p.requires_grad}

@@ -108,13 +108,19 @@ def evaluate(
     trajectories_path: str | Path | None = None,
     description: str = "evaluating",
     show_progress: bool = True,
+    episodes: dict[str, list[Trajectory]] | None = None,
 ) -> dict[str, EvalResult]:
     """Play every task of every experience ``k`` times; return results keyed by experience name.
 
     Episodes of all experiences are interleaved into batches of
     ``batch_episodes``, so different environments share each generation.
-    When ``trajectories_path`` is given, every finished episode is appended
-    there as one readable JSON line (the conversation and its outcome).
+    When ``trajectories_path`` is given, every episode is appended there as
+    one readable JSON line (the conversation and its outcome, and the
+    ``"experience"`` it was played for: a task may belong to two test
+    experiences, ``babyai`` and ``babyai:easy``), a batch at a time in the
+    batch's order. When ``episodes`` is given, it receives the `Trajectory`
+    objects themselves, keyed by experience (the start model's samples for
+    `contrail.drift`).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -125,22 +131,23 @@ def evaluate(
         with EpisodeProgress(len(jobs), description, enabled=show_progress) as progress:
             for start in range(0, len(jobs), batch_episodes):
                 batch = jobs[start:start + batch_episodes]
-
-                def record(traj: Trajectory) -> None:
-                    progress.episode_done(traj.success)
-                    if sink:
-                        sink.write(json.dumps(traj.to_record()) + "\n")
-                        sink.flush()
-
                 trajectories = rollout(
                     backend, chat, [job[1] for job in batch], make_env, config,
-                    samples=[job[2] for job in batch], on_turn=progress.turn_done, on_episode=record,
+                    samples=[job[2] for job in batch], on_turn=progress.turn_done,
+                    on_episode=lambda traj: progress.episode_done(traj.success),
                 )
+                # Written after the batch, in job order: only the job knows which experience an episode is for.
                 for job, traj in zip(batch, trajectories, strict=True):
                     results[job[0]].append(traj)
+                    if sink:
+                        sink.write(json.dumps({**traj.to_record(), "experience": job[0]}) + "\n")
+                if sink:
+                    sink.flush()
     finally:
         if sink:
             sink.close()
+    if episodes is not None:
+        episodes.update(results)
     return {name: summarize(trajs, k) for name, trajs in results.items()}
 
 
@@ -185,8 +192,13 @@ class Evaluator:
         self.k, self.batch_episodes, self.seed, self.show_progress = k, batch_episodes, seed, show_progress
 
     def __call__(self, model, tokenizer, *, trajectories_path: str | Path | None = None,
-                 description: str = "evaluating", autocast_bf16: bool = False) -> dict[str, EvalResult]:
-        """Evaluate ``model``; with ``trajectories_path``, (re)write the episodes there as JSON lines."""
+                 description: str = "evaluating", autocast_bf16: bool = False,
+                 episodes: dict[str, list[Trajectory]] | None = None) -> dict[str, EvalResult]:
+        """Evaluate ``model``; with ``trajectories_path``, (re)write the episodes there as JSON lines.
+
+        ``episodes``, when given, receives every experience's `Trajectory`
+        objects (token ids, masks and the sampler's log-probs included).
+        """
         if trajectories_path is not None:
             Path(trajectories_path).unlink(missing_ok=True)  # a rerun replaces, never appends
         was_training = model.training
@@ -197,6 +209,6 @@ class Evaluator:
                 return evaluate(policy.backend, policy.chat, self.tasks, self.make_env, k=self.k,
                                 config=self.rollout, batch_episodes=self.batch_episodes,
                                 trajectories_path=trajectories_path, description=description,
-                                show_progress=self.show_progress)
+                                show_progress=self.show_progress, episodes=episodes)
         finally:
             model.train(was_training)

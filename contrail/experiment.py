@@ -201,7 +201,9 @@ class EvalSpec:
 
     The rollout fields default to ``None``: take the experiment's ``rollout``
     value; set one only where evaluation differs from training (say a lower
-    ``temperature``).
+    ``temperature``). ``drift`` adds each stage's forgetting-beyond-success
+    measures to its row (`contrail.drift`: KL to the start model on its own
+    samples, a forward pass per row-0 episode; the share of parameters changed).
     """
 
     k: int = 4
@@ -211,9 +213,12 @@ class EvalSpec:
     temperature: float | None = None
     top_p: float | None = None
     max_turns: int | None = None
+    drift: bool = True
 
     def __post_init__(self) -> None:
         _at_least(self, 1, "k", "batch_episodes")
+        if not isinstance(self.drift, bool):
+            raise ValueError(f"drift must be true or false, got {self.drift!r}")
 
     def rollout_for(self, base: RolloutConfig) -> RolloutConfig:
         """``base`` with this section's non-``None`` rollout fields replacing its own."""

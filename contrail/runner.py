@@ -18,6 +18,13 @@ the global random state alone, so a checkpoint saved before it resumes the
 same streams; ``grpo_log.jsonl`` is cut back to the checkpoint's step; a KL
 reference stays the start model; and a finished run gets its report rebuilt.
 
+With ``eval.drift`` (the default) every stage's row also carries
+``"drift"`` (`contrail.drift`): the KL from the start model on the samples it
+drew for row 0 (kept, with its own log-probs, in ``drift-start.json``), and
+the share of trainable parameters changed since the previous stage (a CPU
+copy of them is kept between stages; a resumed run takes it from the loaded
+checkpoint, which holds exactly those weights).
+
 >>> experiment = load_experiment("experiments/quickstart.yaml")
 >>> result = run(experiment)                       # into experiment.out
 >>> result.matrix(), result.metrics
@@ -36,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 from accelerate import PartialState
 
+from contrail import drift
 from contrail.evaluation import EvalResult, Evaluator, select_tasks
 from contrail.metrics import summarize
 from contrail.models import load_model
@@ -54,6 +62,7 @@ if TYPE_CHECKING:
 __all__ = ["BASE_SUCCESS_TASKS", "RunResult", "measure_base_success", "run"]
 
 PLAN = "plan.json"
+DRIFT_SAMPLES = "drift-start.json"
 GRPO_LOG = "grpo_log.jsonl"
 TRAINER_STATE = "trainer_state.pt"
 STRATEGY_STATE = "strategy_state.safetensors"
@@ -136,12 +145,19 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         _truncate_log(run_dir.path / GRPO_LOG, trainer.step_count)
         _drop_stale_checkpoints(run_dir, done)
     evaluator = _make_evaluator(experiment, stream, show_progress)
+    tracker = _drift_tracker(run_dir, trainer) if experiment.eval.drift and processes.is_main_process else None
     if done < 0 and processes.is_main_process:
         row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
-        _record(run_dir, 0, row0, [], _evaluate(evaluator, trainer, run_dir, 0, experiment), {}, 0.0)
+        episodes: dict[str, list] = {}
+        results = _evaluate(evaluator, trainer, run_dir, 0, experiment, episodes=episodes)
+        if tracker is not None:
+            tracker.keep_start_samples(episodes)  # before row 0: a kill in between redoes both
+        del episodes
+        _record(run_dir, 0, row0, [], results, {}, 0.0)
     processes.wait_for_everyone()
     for stage in stages[max(done, 0):]:
-        _run_stage(stage, len(stages), strategy, trainer, stream, evaluator, run_dir, experiment, processes)
+        _run_stage(stage, len(stages), strategy, trainer, stream, evaluator, run_dir, experiment, processes,
+                   tracker)
     trainer.accelerator.end_training()
     return _finish(run_dir, processes)
 
@@ -194,9 +210,38 @@ def _make_plan(experiment: Experiment, stream: Stream, strategy: Strategy, model
         "start_model": start_model,
         "warmstart": None if warm is None else {"base_model": experiment.model.name, **dataclasses.asdict(warm)},
         "base_success": base_success,
+        "turn_limits": turn_limits(experiment, stream),
         "label": _label(experiment),
         "seed": experiment.seed,
     }
+
+
+def turn_limits(experiment: Experiment, stream: Stream) -> dict[str, int]:
+    """Per test experience, the turn limit its evaluation episodes run under (for ``out_of_turns``).
+
+    The evaluation's ``max_turns`` when set, else the environment's own
+    ``turn_limit`` of the experience's test tasks (its ``max_turns`` option or
+    default; SearchQA's differs by split). An experience whose tasks have
+    different limits is left out (the diagnostics then use their defaults).
+    Building an environment starts no engine, so this is cheap.
+    """
+    forced = experiment.eval_rollout.max_turns
+    make_env = env_factory(stream.experiences)
+    limits: dict[str, int] = {}
+    for experience in stream.test:
+        if forced is not None:
+            limits[experience.name] = forced
+            continue
+        if not experience.test_tasks:
+            continue
+        env = make_env(experience.test_tasks[0])
+        try:
+            found = {env.turn_limit(task) for task in experience.test_tasks}
+        finally:
+            env.close()
+        if len(found) == 1:
+            limits[experience.name] = found.pop()
+    return limits
 
 
 def _plan_stages(strategy: Strategy, stream: Stream, experiment: Experiment,
@@ -290,8 +335,10 @@ def _make_evaluator(experiment: Experiment, stream: Stream, show_progress: bool)
 
 
 def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTrainer, stream: Stream,
-               evaluator: Evaluator, run_dir: RunDir, experiment: Experiment, processes: PartialState) -> None:
-    """Train ``stage``, checkpoint it, evaluate, record its row, then drop state it made unneeded."""
+               evaluator: Evaluator, run_dir: RunDir, experiment: Experiment, processes: PartialState,
+               tracker: drift.DriftTracker | None = None) -> None:
+    """Train ``stage``, checkpoint it, evaluate (and measure drift), record its row, then drop state it made
+    unneeded."""
     started = time.perf_counter()
     sampler = stage_sampler(stage, stream)  # from the plain-data stage: plan.json replays exactly
     strategy.before_stage(stage, trainer)
@@ -300,8 +347,9 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
     _save_checkpoint(trainer, strategy, run_dir, stage.index, sampler, processes)
     if processes.is_main_process:
         results = _evaluate(evaluator, trainer, run_dir, stage.index, experiment)
+        moved = tracker.measure() if tracker is not None else None
         _record(run_dir, stage.index, stage.name, list(stage.new), results, _train_summary(history),
-                time.perf_counter() - started)
+                time.perf_counter() - started, drift_entry=moved)
         # Only now is the previous stage's optimizer state unneeded: a kill before this row resumes from it.
         _drop_stale_checkpoints(run_dir, stage.index)
     processes.wait_for_everyone()
@@ -349,16 +397,24 @@ def _load_strategy_state(strategy: Strategy, directory: Path) -> None:
 
 
 def _evaluate(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir, stage: int,
-              experiment: Experiment) -> dict[str, EvalResult]:
+              experiment: Experiment, episodes: dict[str, list] | None = None) -> dict[str, EvalResult]:
     description = f"evaluating after stage {stage}" if stage else "evaluating the start model"
     return evaluator(trainer.model, trainer.tokenizer, trajectories_path=run_dir.trajectories_path(stage),
-                     description=description, autocast_bf16=experiment.grpo.precision == "bf16")
+                     description=description, autocast_bf16=experiment.grpo.precision == "bf16",
+                     episodes=episodes)
+
+
+def _drift_tracker(run_dir: RunDir, trainer: GRPOTrainer) -> drift.DriftTracker:
+    # Built after the weights (and a resumed run's checkpoint) are in place: they are stage 1's baseline.
+    return drift.DriftTracker(trainer.model, run_dir.path / DRIFT_SAMPLES, pad_id=trainer.tokenizer.pad_token_id or 0)
 
 
 def _record(run_dir: RunDir, stage: int, name: str, trained: Sequence[str], results: dict[str, EvalResult],
-            train: dict[str, Any], seconds: float) -> None:
+            train: dict[str, Any], seconds: float, drift_entry: dict[str, Any] | None = None) -> None:
     row = {"stage": stage, "name": name, "trained": list(trained),
            "results": {k: r.to_dict() for k, r in results.items()}, "train": train, "wall_seconds": seconds}
+    if drift_entry is not None:
+        row["drift"] = drift_entry
     run_dir.append_row(row)
     cells = "  ".join(f"{n} {r.avg_at_k:.2f}" for n, r in results.items())
     errors = sum(r.errors for r in results.values())

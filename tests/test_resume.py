@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from contrail import evaluation
+from contrail import drift, evaluation
 from contrail.agent.rollout import RolloutConfig
 from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec
 from contrail.grpo.config import GRPOConfig
@@ -113,6 +113,7 @@ def snapshot(out) -> dict:
         "rows": _timeless(RunDir(out).rows()),
         "plan": json.loads((out / "plan.json").read_text()),
         "trajectories": {p.name: p.read_text() for p in sorted((out / "trajectories").iterdir())},
+        "drift_samples": (out / "drift-start.json").read_text(),
         "log": _timeless(log),
         "checkpoints": sorted(p.name for p in (out / "checkpoints").iterdir()),
         "trainer_states": sorted(p.parent.name for p in (out / "checkpoints").glob("*/trainer_state.pt")),
@@ -141,6 +142,19 @@ def test_the_reference_rows_all_differ(reference):
     rows = RunDir(reference).rows()
     results = [json.dumps(row["results"], sort_keys=True) for row in rows]
     assert len(set(results)) == len(rows) == 3
+
+
+def test_the_reference_rows_carry_drift_that_a_resume_must_reproduce(reference):
+    """Each stage row's KL and parameter change are non-trivial, so `assert_same_run` comparing rows pins them."""
+    rows = RunDir(reference).rows()
+    assert "drift" not in rows[0]
+    for row in rows[1:]:
+        kl = row["drift"]["kl"]
+        assert set(kl) == {"magic:easy", "magic-berry:easy"}
+        assert all(estimate["k3"] > 0 for estimate in kl.values())
+        assert 0 < row["drift"]["params"]["fraction"] <= 1
+    # Stage 2's KL is to the start model, its parameter change to stage 1: they differ from stage 1's.
+    assert rows[1]["drift"] != rows[2]["drift"]
 
 
 # --- kill points ---------------------------------------------------------------------------------
@@ -206,8 +220,13 @@ def after_row(call):
     return lambda mp: kill_on_call(mp, RunDir, "append_row", call, before=False)
 
 
+def after_drift_samples(mp):
+    kill_on_call(mp, drift, "save_samples", 1, before=False)
+
+
 KILL_POINTS = {
     "row 0 evaluation": in_evaluation(1),
+    "start samples saved, row 0 not written": after_drift_samples,
     "stage 1 training, second step": in_training(2),
     "stage 1 checkpoint write": in_checkpoint_write(1),
     "stage 1 evaluation": in_evaluation(2),

@@ -75,14 +75,15 @@ class Trajectory:
     ``ids``, ``mask`` and ``logprobs`` are aligned: ``mask[i] == 1`` exactly
     where ``ids[i]`` was sampled by the policy, and ``logprobs[i]`` is the
     sampler's log-probability there (0.0 elsewhere). ``messages`` is the same
-    conversation as text, for people.
+    conversation as text, for people; an assistant message the environment
+    answered also carries ``"valid"`` (the step's own verdict on the action).
     """
 
     task: Task
     ids: list[int]
     mask: list[int]
     logprobs: list[float]
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     reward: float = 0.0
     success: bool = False
     turns: int = 0
@@ -177,6 +178,8 @@ def _advance(episode: _Episode, generation, chat: ChatFormat, config: RolloutCon
     except Exception as error:
         _fail(episode, error)
         return
+    # The environment's verdict, kept on the turn it judges: diagnostics read it instead of guessing.
+    traj.messages[-1]["valid"] = bool(step.valid)
     traj.invalid_actions += 0 if step.valid else 1
     traj.reward = float(step.reward)
     traj.success = bool(step.success)
