@@ -10,11 +10,21 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 import contrail.envs as envs
 from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
 
 _NAMES = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny models run faster on one thread than on a shared machine's contended cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

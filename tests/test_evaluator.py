@@ -6,23 +6,12 @@ import json
 import random
 
 import numpy as np
-import pytest
 import torch
 
 from contrail import envs
 from contrail.agent.rollout import RolloutConfig
 from contrail.evaluation import Evaluator, preserved_rng, summarize
 from contrail.testing import BerryWordEnv, MagicWordEnv, tiny_model, tiny_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models run faster on one thread than on a shared machine's contended cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 ROLLOUT = RolloutConfig(max_new_tokens=3, max_episode_tokens=256)
 

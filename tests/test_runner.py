@@ -7,7 +7,6 @@ import math
 from dataclasses import replace
 
 import pytest
-import torch
 
 from contrail.agent.rollout import RolloutConfig
 from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec
@@ -18,16 +17,6 @@ from contrail.runner import RunResult, run
 from contrail.seeds import derive_seed
 from contrail.strategies import Sequential, Stage
 from contrail.testing import tiny_model, tiny_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models run faster on one thread than on a shared machine's contended cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 TRAIN = ["magic:easy", "magic-berry:easy"]
 HELD_OUT = "magic:hard"  # never trained: held out

@@ -6,7 +6,6 @@ import json
 from dataclasses import fields, replace
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from contrail.experiment import WarmStart
@@ -15,16 +14,6 @@ from contrail.testing import tiny_model, tiny_tokenizer
 from contrail.train import sft
 from contrail.train.demos import demonstrations
 from contrail.train.sft import sft_config, train_sft, warmstart, warmstart_key
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """Tiny models run faster on one thread than on a shared machine's contended cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 SPEC = WarmStart(envs=["magic:easy"], episodes=4, epochs=1, lr=1e-3, max_episode_tokens=256, batch_size=2,
                  precision="fp32")
