@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     loss_difference = max(abs(a - b) for a, b in zip(losses, straight_losses, strict=True))
     report = {
         "distributed_type": str(resumed.accelerator.distributed_type),
-        "fsdp_version": getattr(resumed.accelerator.state.fsdp_plugin, "fsdp_version", None),
+        "fsdp_version": getattr(resumed.accelerator.state.__dict__.get("fsdp_plugin"), "fsdp_version", None),
         "model_class": type(resumed.model).__name__,
         "processes": state.num_processes,
         "backend": state.backend,
