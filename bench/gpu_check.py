@@ -47,8 +47,8 @@ from contrail.testing import MagicWordEnv, tiny_tokenizer  # noqa: E402
 
 QWEN_1_5B = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                  intermediate_size=8960, vocab_size=151936)
-SMOKE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, vocab_size=512)
+SMOKE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,  # head_dim 64
+             intermediate_size=512, vocab_size=512)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -259,8 +259,10 @@ def sleep_cycle(backend, prompts, params) -> dict:
     wake_seconds, _ = timed(backend.sync_weights)
     seconds, outputs = timed(lambda: backend.generate(prompts, params))
     generated = sum(len(o.ids) for o in outputs)
-    say(f"[vllm] sleep: {freed:.1f} GiB freed in {sleep_seconds:.2f} s; wake + weight reload {wake_seconds:.2f} s; "
-        f"after waking {generated / seconds:,.0f} generated tok/s")
+    asleep = (f"sleep: {freed:.1f} GiB freed in {sleep_seconds:.2f} s" if backend.engine.sleep_mode
+              else "no sleep mode on this platform (the engine stays resident)")
+    say(f"[vllm] {asleep}; wake + weight reload {wake_seconds:.2f} s; after waking {generated / seconds:,.0f} "
+        "generated tok/s")
     return {"sleep_freed_gib": freed, "sleep_seconds": sleep_seconds, "wake_reload_seconds": wake_seconds,
             "after_wake_tokens_per_s": generated / seconds}
 
@@ -418,7 +420,7 @@ def main(argv=None) -> int:
     if main_process:
         say(f"[done] {', '.join(args.parts)} in {time.perf_counter() - started:.0f} s"
             + (" (cpu smoke: code paths only, the numbers mean nothing)" if setup.smoke else ""))
-    if torch.distributed.is_initialized():
+    if "fsdp" in args.parts and torch.distributed.is_initialized():  # accelerate's group (vLLM tears down its own)
         torch.distributed.destroy_process_group()
     return 0
 
