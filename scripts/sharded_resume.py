@@ -42,7 +42,8 @@ def samples(tokenizer, process: int, step: int) -> list[Sample]:
 
 def train(trainer: MaskedTokenTrainer, tokenizer, first: int, count: int) -> list[float]:
     process = trainer.accelerator.process_index
-    return [trainer.step(samples(tokenizer, process, s), cross_entropy_loss)["loss"] for s in range(first, first + count)]
+    steps = range(first, first + count)
+    return [trainer.step(samples(tokenizer, process, s), cross_entropy_loss)["loss"] for s in steps]
 
 
 def full_weights(trainer: MaskedTokenTrainer) -> dict[str, torch.Tensor]:

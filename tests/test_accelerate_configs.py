@@ -74,7 +74,8 @@ def free_port() -> int:
 
 def launch(config_name: str, *argv: str, env: dict[str, str] | None = None, timeout: int = 600):
     """``accelerate launch`` two CPU processes of ``argv`` (a script and its arguments) with this tree's contrail."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / f"{config_name}.yaml"),
+    command = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", str(CONFIGS / f"{config_name}.yaml"),
                "--num_processes", "2", "--main_process_port", str(free_port()), *argv]
     environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                    **(env or {})}
