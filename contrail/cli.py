@@ -6,6 +6,7 @@
     contrail sft   --model M --env E ...   behaviour cloning on expert demonstrations (warm-start)
     contrail train --model M --env E ...   GRPO on some environments, evaluated before and after
     contrail run experiments/x.yaml [k=v]  a continual experiment (or an ablation family) from YAML
+                                           (--list its runs, --shard i/n a share of them)
     contrail report RUN                    regenerate a run's report.md, matrix.csv and plots
     contrail compare RUN...                tabulate an ablation: mean ± std over seeds
 
@@ -288,25 +289,53 @@ def print_run(result) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """Every run of an experiment file (orders × seeds), or its plan with ``--dry-run``."""
-    from contrail.experiment import describe_plan, expand_runs, load_experiment
+    """Every run of an experiment file (orders × seeds), or a ``--shard`` of them; ``--list``/``--dry-run`` only show.
 
+    A sweep spreads over machines by sharding: run ``j`` of `expand_runs`
+    belongs to share ``j % n``, so ``--shard i/n`` in every task of an
+    ``n``-task array runs each run exactly once (each into its own ``out``),
+    and ``contrail compare`` gathers the run directories afterwards.
+    """
+    from contrail.experiment import describe_plan, expand_runs, load_experiment, parse_shard, shard
+
+    index, count = parse_shard(args.shard) if args.shard is not None else (0, 1)
     experiment = load_experiment(args.experiment, args.overrides, preset_dirs=args.preset_dir or ())
     if args.dry_run:
         print(describe_plan(experiment))
         return 0
+    runs = expand_runs(experiment)
+    mine = shard(runs, index, count)
+    if args.list:
+        print_run_list(mine, len(runs))
+        return 0
+    return _run_all(mine, len(runs), sharded=count > 1, resume=args.resume, force=args.force)
+
+
+def print_run_list(runs, total: int) -> None:
+    """One tab-separated line per run: its index in the sweep, its label and its run directory.
+
+    Plain text (no table) so that scripts can read it: ``cut -f3`` gives the directories.
+    """
+    for index, one in runs:
+        print(f"{index}\t{one.label} (seed {one.seed})\t{one.out}")
+    if len(runs) < total:
+        print(f"# {len(runs)} of {total} runs in this share", file=sys.stderr)
+
+
+def _run_all(runs, total: int, *, sharded: bool, resume: bool, force: bool) -> int:
     from contrail.report import compare
     from contrail.runner import run
 
-    runs = expand_runs(experiment)
     started = time.perf_counter()
-    for number, one in enumerate(runs, start=1):
-        console.rule(f"run {number}/{len(runs)}: {one.label} (seed {one.seed}) → {one.out}")
-        result = run(one, resume=args.resume, force=args.force)
+    if not runs:
+        console.print(f"this share holds none of the {total} runs (more shares than runs)")
+    for number, (index, one) in enumerate(runs, start=1):
+        console.rule(f"run {number}/{len(runs)} (#{index} of {total}): {one.label} (seed {one.seed}) → {one.out}")
+        result = run(one, resume=resume, force=force)
         if _is_main_process():
             print_run(result)
-    if len(runs) > 1 and _is_main_process():
-        console.print(compare([one.out for one in runs]), markup=False)
+    if len(runs) > 1 and not sharded and _is_main_process():
+        console.print(compare([one.out for _, one in runs]), markup=False)
     console.print(f"wall time: {time.perf_counter() - started:.0f} s")
     return 0
 
@@ -426,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("--dry-run", action="store_true", help="print the plan without loading a model")
     p_run.add_argument("--resume", action="store_true", help="continue interrupted runs after their last stage")
     p_run.add_argument("--force", action="store_true", help="overwrite finished or unfinished runs")
+    p_run.add_argument("--list", action="store_true",
+                       help="print the runs (index, label, run directory) without loading a model")
+    p_run.add_argument("--shard", metavar="I/N", default=None,
+                       help="run only share I of N (run j is in share j %% N), e.g. $SLURM_ARRAY_TASK_ID/4")
     p_run.add_argument("--preset-dir", action="append", metavar="DIR",
                        help="a folder holding streams/ and strategies/ presets, searched first (repeatable; "
                             "also $CONTRAIL_PRESET_PATH)")

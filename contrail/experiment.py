@@ -50,7 +50,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Sequence, TypeVar
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -65,6 +65,8 @@ from contrail.seeds import check_seed
 from contrail.strategies import Strategy
 from contrail.stream import Experience, Stream
 
+T = TypeVar("T")  # any item of a list of runs (`shard`)
+
 __all__ = [
     "ConfigError",
     "EnvUnavailableError",
@@ -73,6 +75,7 @@ __all__ = [
     "ModelSpec",
     "StrategySpec",
     "StreamSpec",
+    "ShardError",
     "WarmStart",
     "build_strategy",
     "build_stream",
@@ -80,7 +83,9 @@ __all__ = [
     "expand_runs",
     "load_experiment",
     "order_label",
+    "parse_shard",
     "run_label",
+    "shard",
 ]
 
 
@@ -90,6 +95,10 @@ class ConfigError(ValueError):
 
 class EnvUnavailableError(ConfigError):
     """An experiment names an environment that exists but cannot be loaded here (a missing optional extra)."""
+
+
+class ShardError(ConfigError):
+    """A ``--shard`` value that is not ``i/n`` with ``0 <= i < n``."""
 
 
 # --- the typed sections -------------------------------------------------------------------
@@ -861,6 +870,38 @@ def expand_runs(exp: Experiment) -> list[Experiment]:
                 one.label = f"{exp.label}: {' → '.join(order)}" if order else exp.label
             runs.append(one)
     return runs
+
+
+# --- sweeps over many machines --------------------------------------------------------------------
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """``"i/n"`` -> ``(i, n)``: share ``i`` (0-based) of ``n``; anything else raises `ShardError`.
+
+    The syntax is that of a SLURM array: ``--shard $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT``.
+    """
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if match is None:
+        raise ShardError(f"--shard {text!r}: expected i/n with integers, e.g. 0/4 (share 0 of 4)")
+    index, count = int(match.group(1)), int(match.group(2))
+    if count < 1:
+        raise ShardError(f"--shard {text!r}: the number of shares n must be >= 1")
+    if index >= count:
+        raise ShardError(f"--shard {text!r}: the share i must be in 0..{count - 1}")
+    return index, count
+
+
+def shard(runs: Sequence[T], index: int, count: int) -> list[tuple[int, T]]:
+    """Share ``index`` of ``count`` of ``runs``, as ``(position in runs, run)`` pairs.
+
+    Run ``j`` belongs to share ``j % count``: the shares are disjoint, cover
+    every run, depend on nothing but the (deterministic) order of
+    `expand_runs`, and stay balanced within one run of each other. A share may
+    be empty when there are more shares than runs.
+    """
+    if count < 1 or not 0 <= index < count:
+        raise ShardError(f"shard {index}/{count}: the share must be in 0..{count - 1} and the count >= 1")
+    return [(j, run) for j, run in enumerate(runs) if j % count == index]
 
 
 # --- the plan a dry run prints -------------------------------------------------------------------

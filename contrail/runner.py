@@ -53,6 +53,7 @@ from contrail.seeds import derive_seed
 from contrail.strategies import Stage, stage_sampler
 from contrail.stream import Stream, env_factory
 from contrail.train.sft import warmstart
+from contrail.train.trainer import process_state
 
 if TYPE_CHECKING:
     from contrail.experiment import Experiment
@@ -115,7 +116,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     """
     experiment.check()  # environments, strategy, device: fail before anything is written
     run_dir = RunDir(out if out is not None else experiment.out)
-    processes = PartialState()  # under `accelerate launch` every process trains; the main one writes
+    processes = process_state()  # under `accelerate launch` every process trains; the main one writes
     if processes.is_main_process:
         run_dir.start(experiment.to_yaml(), resume=resume, force=force)
     processes.wait_for_everyone()
@@ -158,8 +159,9 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     for stage in stages[max(done, 0):]:
         _run_stage(stage, len(stages), strategy, trainer, stream, evaluator, run_dir, experiment, processes,
                    tracker)
-    trainer.accelerator.end_training()
-    return _finish(run_dir, processes)
+    result = _finish(run_dir, processes)
+    trainer.accelerator.end_training()  # last: it ends the process group _finish still synchronises on
+    return result
 
 
 # --- setup -------------------------------------------------------------------------------------

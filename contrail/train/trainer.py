@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 
 from contrail.seeds import check_seed, derive_seed
 from contrail.train.config import TrainConfig
@@ -246,11 +246,24 @@ class MaskedTokenTrainer:
             )
 
     def weights_finite(self, trainable_only: bool = False) -> bool:
-        """Whether every (trainable) weight is finite; one device synchronisation."""
-        params = [p for p in self.model.parameters() if p.requires_grad or not trainable_only]
-        if not params:
-            return True
-        return bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all())
+        """Whether every (trainable) weight is finite; one device synchronisation.
+
+        Under FSDP each process checks its own shard and the answer is agreed
+        over processes (a collective: every process calls this together).
+        """
+        params = [_local(p) for p in self.model.parameters() if p.requires_grad or not trainable_only]
+        params = [p for p in params if p.numel()]
+        finite = bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()) if params else True
+        if self.sharded:
+            return self.sum_over_processes(0.0 if finite else 1.0) == 0.0
+        return finite
+
+    @property
+    def sharded(self) -> bool:
+        """Whether weights are sharded over processes (FSDP, DeepSpeed): saving them is a collective."""
+        from accelerate.utils import DistributedType
+
+        return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
 
     def autocast(self):
         """bf16 compute with fp32 master weights when ``precision == "bf16"`` (CPU and GPU).
@@ -296,9 +309,11 @@ class MaskedTokenTrainer:
         if not self.weights_finite():
             raise NonFiniteError(f"refusing to save non-finite weights to {directory}")
         self.accelerator.wait_for_everyone()
+        # Sharded weights are gathered into one full state dict on the main process (a collective).
+        state_dict = self.accelerator.get_state_dict(self.model) if self.sharded else None
         if self.accelerator.is_main_process:
             staging = directory.with_name(directory.name + ".tmp")
-            self.unwrapped.save_pretrained(staging, safe_serialization=True)
+            self.unwrapped.save_pretrained(staging, state_dict=state_dict, safe_serialization=True)
             self.tokenizer.save_pretrained(staging)
             _replace_dir(staging, directory)
         self.accelerator.wait_for_everyone()
@@ -320,8 +335,9 @@ class MaskedTokenTrainer:
         meta = json.dumps({"global_step": self.global_step, "nonfinite_streak": self.nonfinite_streak,
                            "extra": plain, "tensor_extras": sorted(tensors)}, indent=2)  # fails early if not JSON
         self.save_model(directory / "model")
+        optimizer = self._optimizer_state()
         if self.accelerator.is_main_process:
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+            state = {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
                      "rng": _rng_state(), "extra": {k: v.detach().cpu() for k, v in tensors.items()}}
             _write_atomic(directory / STATE_TENSORS, lambda path: torch.save(state, path))
             _write_atomic(directory / STATE_JSON, lambda path: path.write_text(meta, encoding="utf-8"))
@@ -340,12 +356,50 @@ class MaskedTokenTrainer:
         directory = Path(directory)
         state = load_tensors_file(directory / STATE_TENSORS)
         meta = json.loads((directory / STATE_JSON).read_text(encoding="utf-8"))
-        self.optimizer.load_state_dict(state["optimizer"])
+        self._load_optimizer_state(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.global_step = int(meta["global_step"])
         self.nonfinite_streak = int(meta.get("nonfinite_streak", 0))
         _set_rng_state(state["rng"])
         return {**meta["extra"], **state["extra"]}
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state to save (on the main process; a collective under FSDP).
+
+        Under FSDP each process holds the AdamW state of its own shard, so it
+        is gathered into one *full* state dict keyed by parameter name, which
+        loads back at any number of processes (`_load_optimizer_state`).
+        """
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type != DistributedType.FSDP:
+            return self.optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_optimizer_state_dict(self.model, _inner_optimizer(self.optimizer), options=options)
+
+    def _load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Load what `_optimizer_state` saved; under FSDP every process takes its shard of the full state."""
+        from accelerate.utils import DistributedType
+
+        if self.accelerator.distributed_type != DistributedType.FSDP:
+            self.optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, _inner_optimizer(self.optimizer), optim_state_dict=state,
+                                 options=StateDictOptions(full_state_dict=True))
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's shard of a (possibly FSDP2-sharded, DTensor) parameter."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _inner_optimizer(optimizer):
+    """The torch optimizer inside accelerate's `AcceleratedOptimizer` wrapper."""
+    return getattr(optimizer, "optimizer", optimizer)
 
 
 def load_tensors_file(path: Path) -> Any:
@@ -364,6 +418,19 @@ def _write_atomic(path: Path, write: Callable[[Path], Any]) -> None:
     staging = path.with_name(path.name + ".tmp")
     write(staging)
     staging.replace(path)
+
+
+def process_state() -> PartialState:
+    """accelerate's process state (rank, world size), the same one every Accelerator of the process shares.
+
+    ``accelerate launch`` on CPU (``ACCELERATE_USE_CPU=true``) must reach the
+    state first with ``cpu=True``: a bare ``PartialState()`` there ignores the
+    variable and makes every process a single, main process (gloo is never
+    initialised), so two processes would both write the run.
+    """
+    from accelerate.utils import parse_flag_from_env
+
+    return PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
 
 
 def make_accelerator(config: TrainConfig, log_dir: str | Path | None = None) -> Accelerator:
@@ -440,4 +507,5 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 __all__ = ["STATE_JSON", "STATE_TENSORS", "Batch", "CheckpointError", "MaskedTokenTrainer", "NonFiniteError",
-           "Sample", "collate", "cross_entropy_loss", "load_tensors_file", "make_accelerator", "pack_by_tokens"]
+           "Sample", "collate", "cross_entropy_loss", "load_tensors_file", "make_accelerator", "pack_by_tokens",
+           "process_state"]

@@ -1,0 +1,174 @@
+"""The shipped accelerate configs, and checkpoint/resume through them with two CPU processes (gloo).
+
+The fast tests check that accelerate reads each config as the kind of
+training its comment promises. The ``multiprocess`` tests (``-m multiprocess``,
+about a minute each on two cores) launch real process groups with
+``accelerate launch --config_file configs/accelerate/<x>.yaml --num_processes 2``:
+the masked-token trainer must resume a checkpoint exactly under DDP and FSDP2,
+and a two-stage run killed between its stages must, resumed under DDP,
+finish exactly as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from accelerate.commands.config.config_args import load_config_from_file
+from accelerate.utils import DistributedType
+from safetensors.torch import load_file
+
+from contrail.agent.rollout import RolloutConfig
+from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec
+from contrail.grpo.config import GRPOConfig
+from contrail.testing import tiny_model, tiny_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs" / "accelerate"
+multiprocess = pytest.mark.multiprocess
+
+
+def config(name: str):
+    return load_config_from_file(str(CONFIGS / f"{name}.yaml"))
+
+
+def test_ddp_config_is_plain_data_parallel():
+    ddp = config("ddp")
+    assert ddp.distributed_type == DistributedType.MULTI_GPU
+    assert ddp.mixed_precision == "no"  # contrail's own bf16 autocast, chosen per trainer
+
+
+def test_fsdp_config_fully_shards_by_transformer_block_with_full_state_dicts():
+    fsdp = config("fsdp")
+    assert fsdp.distributed_type == DistributedType.FSDP
+    options = fsdp.fsdp_config
+    assert options["fsdp_version"] == 2
+    assert options["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert options["fsdp_reshard_after_forward"] is True          # full shard (ZeRO-3-like)
+    assert options["fsdp_state_dict_type"] == "FULL_STATE_DICT"   # what save_model gathers
+    assert fsdp.mixed_precision == "no"
+
+
+def test_zero3_config_is_deepspeed_stage_3_saving_full_weights():
+    zero3 = config("zero3")
+    assert zero3.distributed_type == DistributedType.DEEPSPEED
+    assert zero3.deepspeed_config["zero_stage"] == 3
+    assert zero3.deepspeed_config["zero3_save_16bit_model"] is True
+    assert "UNTESTED" in (CONFIGS / "zero3.yaml").read_text()     # says so until someone runs it
+
+
+# --- two real processes --------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(config_name: str, *argv: str, env: dict[str, str] | None = None, timeout: int = 600):
+    """``accelerate launch`` two CPU processes of ``argv`` (a script and its arguments) with this tree's contrail."""
+    command = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", str(CONFIGS / f"{config_name}.yaml"),
+               "--num_processes", "2", "--main_process_port", str(free_port()), *argv]
+    environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                   **(env or {})}
+    done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return done
+
+
+def resume_report(done) -> dict:
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, done.stdout  # only the main process reports
+    return json.loads(lines[0])
+
+
+@multiprocess
+def test_trainer_checkpoint_resumes_exactly_under_ddp(tmp_path):
+    report = resume_report(launch("ddp", "scripts/sharded_resume.py", "--out", str(tmp_path)))
+    assert report["distributed_type"] == "DistributedType.MULTI_CPU" and report["processes"] == 2
+    assert report["backend"] == "gloo"
+    assert report["ok"], report
+
+
+@multiprocess
+def test_trainer_checkpoint_resumes_exactly_under_fsdp2(tmp_path):
+    report = resume_report(launch("fsdp", "scripts/sharded_resume.py", "--out", str(tmp_path), "--force-fsdp"))
+    assert report["distributed_type"] == "DistributedType.FSDP" and report["fsdp_version"] == 2
+    assert report["model_class"].startswith("FSDP")   # fully_shard really wrapped it
+    assert report["ok"], report
+    saved = load_file(str(tmp_path / "checkpoint" / "model" / "model.safetensors"))
+    assert saved["model.embed_tokens.weight"].shape[0] == len(tiny_tokenizer())  # full, not a shard
+
+
+RUN_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import contrail.testing  # registers the magic environments in every process
+    import contrail.runner as runner
+    from contrail.experiment import Experiment
+
+    experiment = Experiment.from_yaml(sys.argv[1])
+    kill_after = int(os.environ.get("KILL_AFTER_STAGE", "0"))
+    real_stage = runner._run_stage
+
+    def stage_then_die(stage, *args, **kwargs):
+        real_stage(stage, *args, **kwargs)
+        if stage.index == kill_after:  # every process, after the stage's closing barrier
+            os._exit(0)
+
+    runner._run_stage = stage_then_die
+    runner.run(experiment, resume="--resume" in sys.argv, show_progress=False)
+""")
+
+
+@multiprocess
+def test_a_run_killed_between_stages_resumes_exactly_under_ddp(tmp_path):
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer).save_pretrained(tmp_path / "start")
+    tokenizer.save_pretrained(tmp_path / "start")
+    script = tmp_path / "run.py"
+    script.write_text(RUN_SCRIPT)
+
+    def experiment_file(out: str) -> str:
+        experiment = Experiment(
+            name="ddp", out=str(tmp_path / out), seed=0,
+            stream=StreamSpec(train=["magic:easy", "magic-berry:easy"], train_tasks=8, test_tasks=4,
+                              steps_per_experience=2),
+            strategy=StrategySpec(name="sequential"),
+            model=ModelSpec(name=str(tmp_path / "start"), dtype="float32", device="cpu"),
+            rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
+            grpo=GRPOConfig(lr=3e-2, group_size=4, tasks_per_step=2), eval=EvalSpec(k=2))
+        path = tmp_path / f"{out}.yaml"
+        path.write_text(experiment.to_yaml())
+        return str(path)
+
+    launch("ddp", str(script), experiment_file("straight"))
+    killed = experiment_file("killed")
+    launch("ddp", str(script), killed, env={"KILL_AFTER_STAGE": "1"})
+    rows = (tmp_path / "killed" / "results.jsonl").read_text().splitlines()
+    assert len(rows) == 2 and not (tmp_path / "killed" / "FINISHED").exists()   # row 0 and stage 1 only
+    launch("ddp", str(script), killed, "--resume")
+
+    def outcome(out: str):
+        lines = (tmp_path / out / "results.jsonl").read_text().splitlines()
+        rows = [{k: v for k, v in json.loads(line).items() if k != "wall_seconds"} for line in lines]
+        for row in rows:
+            row["train"].pop("seconds", None)
+            for part in ("first", "last"):
+                row["train"].get(part, {}).pop("step_seconds", None)
+        weights = load_file(str(tmp_path / out / "checkpoints" / "stage-02" / "model" / "model.safetensors"))
+        return rows, weights
+
+    straight_rows, straight_weights = outcome("straight")
+    resumed_rows, resumed_weights = outcome("killed")
+    assert len(straight_rows) == 3
+    assert resumed_rows == straight_rows
+    assert straight_weights.keys() == resumed_weights.keys()
+    assert all((straight_weights[k] == resumed_weights[k]).all() for k in straight_weights)
