@@ -8,6 +8,7 @@
     contrail run experiments/x.yaml [k=v]  a continual experiment (or an ablation family) from YAML
     contrail report RUN                    regenerate a run's report.md, matrix.csv and plots
     contrail compare RUN...                tabulate an ablation: mean ± std over seeds
+    contrail serve-env ENV --port N        serve an environment over AgentGym's HTTP protocol
 
 contrail's own user-facing errors (a config mistake, an unknown name, a
 bad environment option or device, a run directory in the way, a missing
@@ -439,6 +440,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_compare.add_argument("runs", nargs="+", help="run directories")
     p_compare.set_defaults(handler=cmd_compare)
 
+    from contrail.envs.agentgym import command as serve_env  # its own module: the protocol lives there
+
+    serve_env.add_parser(sub)
     return parser
 
 
