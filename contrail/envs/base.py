@@ -349,7 +349,8 @@ def _load_entry_points() -> None:
 def names() -> list[str]:
     """Names of every available environment (built-in, registered, entry points)."""
     _load_entry_points()
-    return sorted(set(_BUILTIN_MODULES) | set(_REGISTRY))
+    plain = {name for name in _REGISTRY if name.partition(":")[0] not in _FAMILIES}  # not each remote spec used
+    return sorted(set(_BUILTIN_MODULES) | plain)
 
 
 def is_class_path(name: str) -> bool:

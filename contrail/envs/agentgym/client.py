@@ -121,6 +121,8 @@ class AgentGymEnv(Env):
         action, problem = self._action(text)
         if problem is not None:  # decided here, as AgentGym's clients do: the server never sees it
             return Step(observation=problem, valid=False)
+        # The server does not say whether an action was valid; an empty one (nothing to extract) is not.
+        valid = bool(action.strip())
         answer = check_answer("/step", self._post("/step", {"action": action}, retry_lost=False))
         if not isinstance(answer, dict):
             raise RemoteEnvError(f"/step answered {answer!r}, expected an object")
@@ -131,7 +133,7 @@ class AgentGymEnv(Env):
         self.last_observation = observation
         reward = float(reward)
         success = bool(done) and (reward > 0 if self.dialect.success_positive else reward >= 1.0)
-        return Step(observation=observation, reward=reward, done=done, success=success)
+        return Step(observation=observation, reward=reward, done=done, success=success, valid=valid)
 
     def close(self) -> None:
         """Delete the server session (webshop's server has no ``/close``: its sessions are recycled)."""

@@ -17,7 +17,14 @@ details, so a client must know which one it talks to:
   ``done``, ``info``; the server has no ``/close``.
 - searchqa: session ``env_idx``; ``/create`` takes ``{"id": 0}`` and answers a
   bare integer; ``/reset`` takes ``id`` and answers the question text.
-- generic: babyai's shape without ``score``, for any other environment.
+- generic: babyai's shape without ``score``, for any other environment; the
+  model's whole text travels as the action (the environment parses it).
+
+Actions: AgentGym's clients extract the action from the model's text before
+``/step`` (babyai and textcraft also strip it to letters, digits, commas and
+spaces; searchqa sends the whole text). `AgentGymEnv` does the same per
+dialect, and `EnvServer` hands a contrail environment (which parses full model
+text) ``"Action: <action>"`` for the dialects whose clients extract.
 
 Errors follow the servers too: a wrapper's failure is HTTP 200 with
 ``{"error": "<message>"}``; FastAPI's own are 422 ``{"detail": [{"loc", "msg",
@@ -51,7 +58,7 @@ class Dialect:
     reset_answer: str = "dict"            # "dict" {"observation": ...}, "pair" [page, null], "text"
     text_key: str = "observation"         # the observation's field in /step answers
     reward_key: str = "reward"            # the field the client reads as the reward
-    action: str = "action_line"           # how the client extracts the action from model text
+    action: str = "action_line"           # the client sends: "action_line", "sanitized" (babyai) or "raw" text
     has_close: bool = True                # webshop's server has no /close route
     success_positive: bool = False        # success: done with reward > 0 (babyai's scaled reward), else reward >= 1
 
@@ -86,7 +93,7 @@ class Dialect:
 
 
 DIALECTS: dict[str, Dialect] = {
-    "generic": Dialect("generic"),
+    "generic": Dialect("generic", action="raw"),
     "babyai": Dialect("babyai", reward_key="score", action="sanitized", success_positive=True),
     "textcraft": Dialect("textcraft", create_body={"commands": None, "goal": None}, action="sanitized"),
     "alfworld": Dialect("alfworld", task_key="game", reset_extra={"world_type": "Text"}),

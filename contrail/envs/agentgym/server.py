@@ -30,6 +30,7 @@ from typing import Any, Callable
 from contrail.envs import base
 from contrail.envs.agentgym.protocol import DIALECTS, Dialect, dialect
 from contrail.envs.base import Env, Task
+from contrail.envs.parsing import action_lines
 
 MAX_BODY = 1 << 20  # 1 MiB: a model's action is a few KiB at most
 
@@ -192,6 +193,9 @@ class EnvServer:
         return self.dialect.reset_payload(observation)
 
     def _step(self, key: int, action: str) -> Any:
+        if self.dialect.action != "raw" and not action_lines(action):
+            action = f"Action: {action}"  # AgentGym's clients send the bare action; contrail's envs parse text
+
         def play(session: _Session) -> Any:
             step = session.env.step(action)
             session.reward, session.observation = float(step.reward), step.observation
