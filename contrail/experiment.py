@@ -60,6 +60,7 @@ from contrail import envs, presets, strategies
 from contrail.agent.rollout import RolloutConfig
 from contrail.envs.base import UnknownNameError
 from contrail.grpo.config import GRPOConfig
+from contrail.integrations.trackers import TrackingSpec
 from contrail.models import check_device, check_device_name
 from contrail.seeds import check_seed
 from contrail.strategies import Strategy
@@ -239,6 +240,7 @@ class Experiment:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalSpec = field(default_factory=EvalSpec)
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)  # TensorBoard / W&B / trackio / MLflow
     seed: int = 0
     out: str = "runs/${name}"
     seeds: list[int] | None = None

@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+import yaml
 from accelerate import PartialState
 
 from contrail.evaluation import EvalResult, Evaluator, select_tasks
+from contrail.integrations.trackers import Tracking
 from contrail.metrics import summarize
 from contrail.models import load_model
 from contrail.progress import console
@@ -129,6 +131,8 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     stages = _replay_plan(run_dir, experiment, stream, strategy)
 
     trainer = _make_trainer(experiment, stream, model, tokenizer, run_dir, show_progress)
+    tracking = Tracking(experiment.tracking, trainer.accelerator, run_dir.path, experiment.name,
+                        yaml.safe_load(experiment.to_yaml()))
     if done >= 1:
         _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
         console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
@@ -140,8 +144,12 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
         _record(run_dir, 0, row0, [], _evaluate(evaluator, trainer, run_dir, 0, experiment), {}, 0.0)
     processes.wait_for_everyone()
+    if processes.is_main_process:
+        tracking.log_rows()  # row 0, or a resumed run's rows
     for stage in stages[max(done, 0):]:
         _run_stage(stage, len(stages), strategy, trainer, stream, evaluator, run_dir, experiment, processes)
+        if processes.is_main_process:
+            tracking.log_rows()
     trainer.accelerator.end_training()
     return _finish(run_dir, processes)
 
