@@ -19,6 +19,7 @@ parallel.
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 import urllib.parse
@@ -288,6 +289,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     app: EnvServer
     protocol_version = "HTTP/1.1"  # keep-alive for clients that reuse connections (requests.Session)
+
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out in two writes: without NODELAY, Nagle's algorithm meets the client's
+        # delayed ACK and a small answer can wait ~40 ms.
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def do_GET(self) -> None:  # noqa: N802 -- http.server's naming
         self._serve("GET")
