@@ -776,7 +776,7 @@ def build_stream(exp: Experiment, cache: dict[str, Experience] | None = None) ->
 
     def get(spec: str) -> Experience:
         if spec not in cache:
-            options = s.env_options.get(spec.partition(":")[0])
+            options = s.env_options.get(envs.parse_spec(spec)[0])  # the env's name, whatever the spec's shape
             cache[spec] = Experience.from_spec(spec, s.train_tasks, s.test_tasks, s.steps_per_experience,
                                                s.task_seed, options)
         return cache[spec]

@@ -349,8 +349,7 @@ def _load_entry_points() -> None:
 def names() -> list[str]:
     """Names of every available environment (built-in, registered, entry points)."""
     _load_entry_points()
-    plain = {name for name in _REGISTRY if name.partition(":")[0] not in _FAMILIES}  # not each remote spec used
-    return sorted(set(_BUILTIN_MODULES) | plain)
+    return sorted(set(_BUILTIN_MODULES) | set(_REGISTRY))
 
 
 def is_class_path(name: str) -> bool:

@@ -18,6 +18,14 @@ class ActionWordEnv(MagicWordEnv):
         return super().on_step(lines[-1] if lines else "")
 
 
+@pytest.fixture(autouse=True)
+def forget_remote_specs():
+    """Unregister the ``agentgym:...`` specs a test used (they would show in other tests' name lists)."""
+    yield
+    for name in [n for n in envs.names() if n.startswith("agentgym:")]:
+        envs.unregister(name)
+
+
 @pytest.fixture
 def action_word():
     """The name ``action-word``, registered to `ActionWordEnv` for this test."""

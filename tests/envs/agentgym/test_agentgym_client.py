@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -190,3 +191,34 @@ def test_a_server_killed_mid_episode_fails_only_its_episodes(tokenizer, server):
         assert trajectory.turns == 2
     for trajectory in done[2:]:
         assert trajectory.error is None and trajectory.success and trajectory.turns == 2
+
+
+def test_a_continual_run_trains_and_evaluates_on_a_served_environment(server, tmp_path):
+    """YAML names the remote environment and its options; the runner trains and evaluates through HTTP."""
+    from contrail.experiment import Experiment, build_stream
+    from contrail.runner import run
+    from contrail.testing import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    spec = f"agentgym:magic@{server.url}"
+    exp = Experiment.from_yaml(f"""
+name: remote
+out: {tmp_path / "run"}
+stream:
+  train: ["{spec}"]
+  env_options: {{"{spec}": {{train_ids: [0, 2, 4, 6], test_ids: [10000, 10002], timeout: 10.0}}}}
+  steps_per_experience: 1
+model: {{name: {tmp_path / "tiny"}, dtype: float32, device: cpu}}
+rollout: {{max_new_tokens: 3, max_episode_tokens: 256}}
+grpo: {{lr: 0.01, group_size: 2, tasks_per_step: 2}}
+eval: {{k: 1}}
+""")
+    stream = build_stream(exp)
+    assert [t.id for t in stream.experiences[0].train_tasks] == [0, 2, 4, 6]  # the options reached the env
+    result = run(exp, show_progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "results.jsonl").read_text().splitlines()]
+    assert [row["stage"] for row in rows] == [0, 1]
+    assert all(row["results"][spec]["errors"] == 0 for row in rows)
+    assert result.test == [spec] and server.session_count == 0  # every episode closed its session
