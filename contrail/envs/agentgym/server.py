@@ -259,29 +259,51 @@ def _close_quietly(env: Env) -> None:
         pass
 
 
-def _invalid(kind: str, where: str, name: str | int, message: str) -> HTTPProblem:
-    """FastAPI's 422 shape: ``{"detail": [{"type", "loc", "msg"}]}``."""
-    return HTTPProblem(HTTPStatus.UNPROCESSABLE_ENTITY, [{"type": kind, "loc": [where, name], "msg": message}])
+def _invalid(kind: str, loc: list, message: str, given: Any, **extra: Any) -> HTTPProblem:
+    """FastAPI's (pydantic 2's) 422 shape: ``{"detail": [{"type", "loc", "msg", "input"}]}``."""
+    return HTTPProblem(HTTPStatus.UNPROCESSABLE_ENTITY,
+                       [{"type": kind, "loc": loc, "msg": message, "input": given, **extra}])
+
+
+_NOT_AN_INT = "Input should be a valid integer, unable to parse string as an integer"
 
 
 def _field(body: Any, name: str, kind: type = int) -> Any:
-    if not isinstance(body, dict) or name not in body:
-        raise _invalid("missing", "body", name, "Field required")
+    if body is None:
+        raise _invalid("missing", ["body"], "Field required", None)
+    if not isinstance(body, dict):
+        raise _invalid("model_attributes_type", ["body"],
+                       "Input should be a valid dictionary or object to extract fields from", body)
+    if name not in body:
+        raise _invalid("missing", ["body", name], "Field required", body)
     value = body[name]
-    if kind is int and isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value)  # pydantic's lax mode accepts "3" for an int
-    if isinstance(value, bool) or not isinstance(value, kind):
-        expected = "a valid integer" if kind is int else "a valid string"
-        raise _invalid(f"{kind.__name__}_type", "body", name, f"Input should be {expected}")
+    if kind is int:
+        return _as_int(value, ["body", name])
+    if not isinstance(value, str):
+        raise _invalid("string_type", ["body", name], "Input should be a valid string", value)
+    return value
+
+
+def _as_int(value: Any, loc: list) -> int:
+    """An int the way pydantic's lax mode reads one ("3" is 3; "x", 1.5 and true are not)."""
+    if isinstance(value, str):
+        if not value.strip().lstrip("-").isdigit():
+            raise _invalid("int_parsing", loc, _NOT_AN_INT, value)
+        return int(value)
+    if isinstance(value, float) and not isinstance(value, bool):
+        if not value.is_integer():
+            message = "Input should be a valid integer, got a number with a fractional part"
+            raise _invalid("int_from_float", loc, message, value)
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid("int_type", loc, "Input should be a valid integer", value)
     return value
 
 
 def _query_int(query: dict[str, str], name: str) -> int:
-    value = query.get(name)
-    if value is None or not value.strip().lstrip("-").isdigit():
-        problem = "missing" if value is None else "int_parsing"
-        raise _invalid(problem, "query", name, "Input should be a valid integer")
-    return int(value)
+    if name not in query:
+        raise _invalid("missing", ["query", name], "Field required", None)
+    return _as_int(query[name], ["query", name])
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -327,7 +349,9 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise _invalid("json_invalid", "body", 0, f"JSON decode error: {error}") from None
+            position = getattr(error, "pos", 0)
+            raise _invalid("json_invalid", ["body", position], "JSON decode error", {},
+                           ctx={"error": getattr(error, "msg", str(error))}) from None
 
     def _answer(self, status: int, payload: Any) -> None:
         data = json.dumps(payload).encode()

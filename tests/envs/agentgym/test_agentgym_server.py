@@ -76,6 +76,41 @@ def test_errors_have_agentgym_and_fastapi_shapes(serve):
     assert post(server, "/step", {"id": session, "action": "apple"}).status_code == 200  # still serving
 
 
+# Recorded from FastAPI 0.165 / pydantic 2 serving agentenv-babyai's request models (id: int, action: str,
+# data_idx: int): what AgentGym's servers answer to malformed requests, byte for byte.
+FASTAPI_ANSWERS = [
+    ("POST", "/step", {"id": 0}, 422,
+     {"detail": [{"type": "missing", "loc": ["body", "action"], "msg": "Field required", "input": {"id": 0}}]}),
+    ("POST", "/reset", {"id": "zero", "data_idx": 0}, 422,
+     {"detail": [{"type": "int_parsing", "loc": ["body", "id"],
+                  "msg": "Input should be a valid integer, unable to parse string as an integer", "input": "zero"}]}),
+    ("POST", "/reset", {"id": 1.5, "data_idx": 0}, 422,
+     {"detail": [{"type": "int_from_float", "loc": ["body", "id"],
+                  "msg": "Input should be a valid integer, got a number with a fractional part", "input": 1.5}]}),
+    ("POST", "/step", b"{not json", 422,
+     {"detail": [{"type": "json_invalid", "loc": ["body", 1], "msg": "JSON decode error", "input": {},
+                  "ctx": {"error": "Expecting property name enclosed in double quotes"}}]}),
+    ("POST", "/step", [1, 2], 422,
+     {"detail": [{"type": "model_attributes_type", "loc": ["body"],
+                  "msg": "Input should be a valid dictionary or object to extract fields from", "input": [1, 2]}]}),
+    ("POST", "/reset", None, 422, {"detail": [{"type": "missing", "loc": ["body"], "msg": "Field required",
+                                               "input": None}]}),
+    ("GET", "/observation?id=x", None, 422,
+     {"detail": [{"type": "int_parsing", "loc": ["query", "id"],
+                  "msg": "Input should be a valid integer, unable to parse string as an integer", "input": "x"}]}),
+    ("GET", "/step", None, 405, {"detail": "Method Not Allowed"}),
+]
+
+
+@pytest.mark.parametrize(("method", "route", "body", "status", "answer"), FASTAPI_ANSWERS)
+def test_malformed_requests_get_fastapis_answers(serve, method, route, body, status, answer):
+    server = serve(dialect_name="babyai")
+    json_type = {"Content-Type": "application/json"}
+    sent = {"data": body, "headers": json_type} if isinstance(body, bytes) else {"json": body}
+    response = requests.request(method, f"{server.url}{route}", timeout=10, **sent)
+    assert (response.status_code, response.json()) == (status, answer)
+
+
 def test_webshop_dialect(serve):
     server = serve(dialect_name="webshop")
     session = post(server, "/create").json()
