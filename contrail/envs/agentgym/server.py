@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 import time
+import traceback
 import urllib.parse
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -174,13 +176,13 @@ class EnvServer:
             if len(self._sessions) >= self.max_sessions:
                 raise HTTPProblem(HTTPStatus.SERVICE_UNAVAILABLE, f"at most {self.max_sessions} sessions; close some")
             key, self._next_id = self._next_id, self._next_id + 1
-        session = _Session(env=base.make(self.env_name, **self.options))
         observation = None
-        if self.dialect.name == "textcraft":  # AgentGym's textcraft server resets inside /create
-            try:
-                observation = session.observation = session.env.reset(self._task(key))
-            except Exception as error:  # noqa: BLE001 -- the wrapper's in-band error shape
-                return {"error": f"{error}"}
+        try:
+            session = _Session(env=base.make(self.env_name, **self.options))
+            if self.dialect.name == "textcraft":  # AgentGym's textcraft server resets inside /create (task = its id)
+                observation = session.observation = session.env.reset(self._task(key, wrap=True))
+        except Exception as error:  # noqa: BLE001 -- the wrappers' in-band error shape
+            return {"error": f"{type(error).__name__}: {error}"}
         with self._lock:
             self._sessions[key] = session
         return self.dialect.create_payload(key, observation)
@@ -238,8 +240,11 @@ class EnvServer:
             finally:
                 session.last_used = time.monotonic()
 
-    def _task(self, task_id: int) -> Task:
-        """The served environment's task with id ``task_id`` (train first, then test)."""
+    def _task(self, task_id: int, wrap: bool = False) -> Task:
+        """The served environment's task with id ``task_id`` (train first, then test).
+
+        ``wrap``: an unknown id picks a train task by its remainder (textcraft's ``/create``).
+        """
         for split in ("train", "test"):
             with self._lock:
                 known = self._tasks.get(split)
@@ -249,6 +254,9 @@ class EnvServer:
                     self._tasks[split] = known
             if task_id in known:
                 return known[task_id]
+        train = list(self._tasks["train"].values())
+        if wrap and train:
+            return train[task_id % len(train)]
         raise ValueError(f"{self.env_name} has no task {task_id}")
 
 
@@ -332,7 +340,11 @@ class _Handler(BaseHTTPRequestHandler):
             status, payload = HTTPStatus.OK, self.app.route(method, url.path.rstrip("/") or "/", query, body)
         except HTTPProblem as problem:
             status, payload = problem.status, {"detail": problem.detail}
-        self._answer(status, payload)
+        except Exception:  # a bug in the server or the environment: FastAPI's plain 500, the server goes on
+            self.log_error("%s", traceback.format_exc())
+            self._answer(HTTPStatus.INTERNAL_SERVER_ERROR, b"Internal Server Error", "text/plain; charset=utf-8")
+            return
+        self._answer(status, json.dumps(payload).encode())
 
     def _body(self) -> Any:
         length = self.headers.get("Content-Length")
@@ -353,13 +365,15 @@ class _Handler(BaseHTTPRequestHandler):
             raise _invalid("json_invalid", ["body", position], "JSON decode error", {},
                            ctx={"error": getattr(error, "msg", str(error))}) from None
 
-    def _answer(self, status: int, payload: Any) -> None:
-        data = json.dumps(payload).encode()
+    def _answer(self, status: int, data: bytes, content_type: str = "application/json") -> None:
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 -- quiet: one line per request would flood a run
         pass
+
+    def log_error(self, format: str, *args: Any) -> None:  # noqa: A002 -- errors still reach stderr
+        sys.stderr.write(f"serve-env: {format % args}\n")
