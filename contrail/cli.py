@@ -9,6 +9,7 @@
                                            (--list its runs, --shard i/n a share of them)
     contrail report RUN                    regenerate a run's report.md, matrix.csv and plots
     contrail compare RUN...                tabulate an ablation: mean ± std over seeds
+    contrail serve-env ENV --port N        serve an environment over AgentGym's HTTP protocol
 
 contrail's own user-facing errors (a config mistake, an unknown name, a
 bad environment option or device, a run directory in the way, a missing
@@ -472,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_compare.add_argument("runs", nargs="+", help="run directories")
     p_compare.set_defaults(handler=cmd_compare)
 
+    from contrail.envs.agentgym import command as serve_env  # its own module: the protocol lives there
+
+    serve_env.add_parser(sub)
     return parser
 
 

@@ -60,6 +60,7 @@ from contrail import envs, presets, strategies
 from contrail.agent.rollout import RolloutConfig
 from contrail.envs.base import UnknownNameError
 from contrail.grpo.config import GRPOConfig
+from contrail.integrations.trackers import TrackingSpec
 from contrail.models import check_device, check_device_name
 from contrail.seeds import check_seed
 from contrail.strategies import Strategy
@@ -253,6 +254,7 @@ class Experiment:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     eval: EvalSpec = field(default_factory=EvalSpec)
+    tracking: TrackingSpec = field(default_factory=TrackingSpec)  # TensorBoard / W&B / trackio / MLflow
     seed: int = 0
     out: str = "runs/${name}"
     seeds: list[int] | None = None
@@ -788,7 +790,7 @@ def build_stream(exp: Experiment, cache: dict[str, Experience] | None = None) ->
 
     def get(spec: str) -> Experience:
         if spec not in cache:
-            options = s.env_options.get(spec.partition(":")[0])
+            options = s.env_options.get(envs.parse_spec(spec)[0])  # the env's name, whatever the spec's shape
             cache[spec] = Experience.from_spec(spec, s.train_tasks, s.test_tasks, s.steps_per_experience,
                                                s.task_seed, options)
         return cache[spec]

@@ -41,10 +41,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+import yaml
 from accelerate import PartialState
 
 from contrail import drift
 from contrail.evaluation import EvalResult, Evaluator, select_tasks
+from contrail.integrations.trackers import Tracking
 from contrail.metrics import summarize
 from contrail.models import load_model
 from contrail.progress import console
@@ -139,6 +141,8 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     stages = _replay_plan(run_dir, experiment, stream, strategy)
 
     trainer = _make_trainer(experiment, stream, model, tokenizer, run_dir, show_progress)
+    tracking = Tracking(experiment.tracking, trainer.accelerator, run_dir.path, experiment.name,
+                        yaml.safe_load(experiment.to_yaml()))
     if done >= 1:
         _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
         console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
@@ -156,9 +160,13 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         del episodes
         _record(run_dir, 0, row0, [], results, {}, 0.0)
     processes.wait_for_everyone()
+    if processes.is_main_process:
+        tracking.log_rows()  # row 0, or a resumed run's rows
     for stage in stages[max(done, 0):]:
         _run_stage(stage, len(stages), strategy, trainer, stream, evaluator, run_dir, experiment, processes,
                    tracker)
+        if processes.is_main_process:
+            tracking.log_rows()
     result = _finish(run_dir, processes)
     trainer.accelerator.end_training()  # last: it ends the process group _finish still synchronises on
     return result

@@ -18,12 +18,15 @@ error recorded; the other episodes go on).
 from __future__ import annotations
 
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from contrail.agent.backend import Backend, SamplingParams
 from contrail.agent.chat import ChatFormat
-from contrail.envs.base import Env, Task
+from contrail.envs.base import Env, Step, Task
+
+MAX_STEP_THREADS = 64  # concurrent remote steps per turn (one HTTP request each)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,22 +128,61 @@ class _Episode:
 EnvFactory = Callable[[Task], Env]
 
 
-def _start(task: Task, sample: int, make_env: EnvFactory, chat: ChatFormat, config: RolloutConfig) -> _Episode:
+def _start_all(
+    tasks: list[Task], samples: list[int], make_env: EnvFactory, chat: ChatFormat, config: RolloutConfig
+) -> list[_Episode]:
+    """Build and reset one environment per task; a failure fails that episode only.
+
+    Constructors run here in order (they are cheap: engines start at reset);
+    the resets of ``concurrent_steps`` environments run in a thread pool.
+    """
+    episodes = [_open(task, sample, make_env) for task, sample in zip(tasks, samples)]
+    openings: list[str | BaseException | None] = [None] * len(episodes)
+    concurrent = [i for i, e in enumerate(episodes) if getattr(e.env, "concurrent_steps", False)]
+    if len(concurrent) > 1:
+        with ThreadPoolExecutor(max_workers=min(MAX_STEP_THREADS, len(concurrent))) as pool:
+            futures = {i: pool.submit(_first_observation, episodes[i], config) for i in concurrent}
+            for i, future in futures.items():
+                openings[i] = future.result()
+    for i, episode in enumerate(episodes):
+        if episode.env is not None:
+            opening = openings[i] if openings[i] is not None else _first_observation(episode, config)
+            _begin(episode, opening, chat, config)
+    return episodes
+
+
+def _open(task: Task, sample: int, make_env: EnvFactory) -> _Episode:
     trajectory = Trajectory(task=task, ids=[], mask=[], logprobs=[], messages=[], sample=sample)
     episode = _Episode(env=None, trajectory=trajectory)
-    try:  # a broken environment (constructor or reset) fails this episode, not the batch
+    try:  # a broken environment fails this episode, not the batch
         episode.env = make_env(task)
-        observation = _reset(episode.env, task, config.max_turns)
-        messages = episode.env.prompt_messages() + [{"role": "user", "content": observation}]
     except Exception as error:
         _fail(episode, error)
-        return episode
+    return episode
+
+
+def _first_observation(episode: _Episode, config: RolloutConfig) -> str | BaseException:
+    try:
+        return _reset(episode.env, episode.trajectory.task, config.max_turns)
+    except Exception as error:
+        return error
+
+
+def _begin(episode: _Episode, opening: str | BaseException, chat: ChatFormat, config: RolloutConfig) -> None:
+    """Record the prompt and the first observation (or the reset's failure)."""
+    trajectory = episode.trajectory
+    try:
+        if isinstance(opening, BaseException):
+            raise opening
+        messages = episode.env.prompt_messages() + [{"role": "user", "content": opening}]
+    except Exception as error:
+        _fail(episode, error)
+        return
     trajectory.messages.extend(messages)
     episode.extend(chat.prompt_ids(messages), 0)
     if len(trajectory.ids) + config.max_new_tokens > config.max_episode_tokens:
         trajectory.truncated = True
         episode.done = True
-    return episode
 
 
 def _reset(env: Env, task: Task, max_turns: int | None) -> str:
@@ -160,23 +202,36 @@ def _fail(episode: _Episode, error: BaseException) -> None:
     episode.trajectory.reward = 0.0
     episode.trajectory.success = False
     episode.done = True
-    episode.trajectory.messages.append({"role": "error", "content": traceback.format_exc(limit=3)})
+    # formatted from the error itself: a pool thread's exception is recorded after its except block ended
+    text = "".join(traceback.format_exception(error, limit=3))
+    episode.trajectory.messages.append({"role": "error", "content": text})
 
 
-def _advance(episode: _Episode, generation, chat: ChatFormat, config: RolloutConfig) -> None:
-    """Record one sampled turn, step the environment, append the observation."""
+def _record_turn(episode: _Episode, generation, chat: ChatFormat) -> str:
+    """Append the sampled ids and the template's closing; return the turn's text."""
     traj = episode.trajectory
-    tokenizer = chat.tokenizer
     episode.extend(generation.ids, 1, generation.logprobs)
     traj.generated_tokens += len(generation.ids)
     traj.turns += 1
-    text = tokenizer.decode([t for t in generation.ids if t not in chat.stop_ids], skip_special_tokens=False)
+    text = chat.tokenizer.decode([t for t in generation.ids if t not in chat.stop_ids], skip_special_tokens=False)
     traj.messages.append({"role": "assistant", "content": text})
     episode.extend(chat.close_after(generation.ids), 0)
+    return text
+
+
+def _env_step(env: Env, text: str) -> Step | BaseException:
+    """``env.step(text)``, or the exception it raised (kept with its traceback)."""
     try:
-        step = episode.env.step(text)
+        return env.step(text)
     except Exception as error:
-        _fail(episode, error)
+        return error
+
+
+def _apply_step(episode: _Episode, step: Step | BaseException, chat: ChatFormat, config: RolloutConfig) -> None:
+    """Record the environment's answer and append the next observation's ids."""
+    traj = episode.trajectory
+    if isinstance(step, BaseException):
+        _fail(episode, step)
         return
     # The environment's verdict, kept on the turn it judges: diagnostics read it instead of guessing.
     traj.messages[-1]["valid"] = bool(step.valid)
@@ -193,6 +248,27 @@ def _advance(episode: _Episode, generation, chat: ChatFormat, config: RolloutCon
         return
     traj.messages.append({"role": "user", "content": step.observation})
     episode.extend(observation_ids, 0)
+
+
+def _step_all(live: list[_Episode], generations, chat: ChatFormat, config: RolloutConfig) -> None:
+    """Advance every live episode by its generation.
+
+    Environments that declare ``concurrent_steps = True`` (remote servers,
+    whose latency would otherwise add up over the batch) step in a thread
+    pool; tokenizing stays on this thread (a fast tokenizer is not safe to
+    share across threads).
+    """
+    texts = [_record_turn(episode, generation, chat) for episode, generation in zip(live, generations)]
+    concurrent = [i for i, e in enumerate(live) if getattr(e.env, "concurrent_steps", False)]
+    steps: list[Step | BaseException | None] = [None] * len(live)
+    if len(concurrent) > 1:
+        with ThreadPoolExecutor(max_workers=min(MAX_STEP_THREADS, len(concurrent))) as pool:
+            futures = {i: pool.submit(_env_step, live[i].env, texts[i]) for i in concurrent}
+            for i, future in futures.items():
+                steps[i] = future.result()
+    for i, episode in enumerate(live):
+        step = steps[i] if steps[i] is not None else _env_step(episode.env, texts[i])
+        _apply_step(episode, step, chat, config)
 
 
 def rollout(
@@ -218,7 +294,7 @@ def rollout(
     reset_cache = getattr(backend, "reset_cache", None)
     if reset_cache:
         reset_cache()  # a kept KV cache belongs to other episodes (and maybe older weights)
-    episodes = [_start(task, sample, make_env, chat, config) for task, sample in zip(tasks, samples)]
+    episodes = _start_all(tasks, samples, make_env, chat, config)
     for episode in episodes:
         if episode.done:  # failed to start or over the token limit at once
             _close(episode)
@@ -234,8 +310,8 @@ def rollout(
             generations = backend.generate(prompts, params, envs=[e.env for e in live])
         else:
             generations = backend.generate(prompts, params)
-        for episode, generation in zip(live, generations):
-            _advance(episode, generation, chat, config)
+        _step_all(live, generations, chat, config)
+        for episode in live:
             if episode.done:
                 _close(episode)
                 if on_episode:

@@ -254,6 +254,10 @@ _BUILTIN_MODULES = {
     "webshop": "contrail.envs.webshop",
     "searchqa": "contrail.envs.searchqa",
 }
+# Parametrised specs "<family>:<parameter>" (e.g. "agentgym:webshop@http://host:port"): a family
+# turns the parameter into an Env class, registered under the whole spec so tasks find it again.
+_FAMILIES: dict[str, Callable[[str], type[Env]]] = {}
+_BUILTIN_FAMILIES = {"agentgym": "contrail.envs.agentgym"}
 
 
 def register(name: str) -> Callable[[type[Env]], type[Env]]:
@@ -314,6 +318,24 @@ def registered(name: str, cls: type[Env]) -> Iterator[type[Env]]:
             unregister(name)
 
 
+def register_family(prefix: str, resolve: Callable[[str], type[Env]]) -> None:
+    """Let ``"<prefix>:<parameter>"`` name an environment: ``resolve(parameter)`` returns its class.
+
+    The class is registered under the whole spec (so a task's ``env`` field
+    builds it again); such specs take no difficulty suffix.
+    """
+    _FAMILIES[prefix] = resolve
+
+
+def _family_of(name: str) -> str | None:
+    prefix, sep, _ = name.partition(":")
+    if not sep:
+        return None
+    if prefix not in _FAMILIES and prefix in _BUILTIN_FAMILIES:
+        importlib.import_module(_BUILTIN_FAMILIES[prefix])
+    return prefix if prefix in _FAMILIES else None
+
+
 def _qualname(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
@@ -344,6 +366,9 @@ def env_class(name: str) -> Callable[..., Env]:
     """
     if is_class_path(name):
         return _load_class(name)
+    family = _family_of(name) if name not in _REGISTRY else None
+    if family is not None:
+        _add(name, _FAMILIES[family](name.partition(":")[2]))
     if name not in _REGISTRY and name in _BUILTIN_MODULES:
         importlib.import_module(_BUILTIN_MODULES[name])
     if name not in _REGISTRY:
@@ -403,6 +428,8 @@ def parse_spec(spec: str) -> tuple[str, str | None]:
     returned name is the class's registered name (what its tasks carry).
     """
     head, _, rest = spec.partition(":")
+    if _family_of(spec) is not None:
+        return env_class(spec).name, None
     if is_class_path(spec) or is_class_path(f"{head}:{rest.partition(':')[0]}"):
         attribute, _, difficulty = rest.partition(":")
         cls = env_class(f"{head}:{attribute}")

@@ -39,6 +39,7 @@ from contrail.envs.base import Env, Step, Task, register
 from contrail.envs.webshop.catalog import PRODUCT_TYPES, Product, type_attributes
 from contrail.envs.webshop.goals import Goal, difficulty_of, make_goal, split_of, task_ids
 from contrail.envs.webshop.pages import NEXT, PREV, Clickable, View, clickables, render
+from contrail.envs.webshop.real import RealData, real_data, real_difficulty, real_reward
 from contrail.envs.webshop.reward import RewardBreakdown, purchase_reward, satisfies
 from contrail.envs.webshop.store import Shop, get_shop
 
@@ -131,9 +132,14 @@ class WebShopEnv(Env):
         seed: int = 0,
         cache_dir: str | Path | None = None,
         disk_cache: bool = True,
+        data_dir: str | Path | None = None,
+        human_goals: bool = True,
     ) -> None:
         super().__init__(max_turns)
         self.seed = seed
+        # WebShop's own files (`webshop.real`) instead of the generated shop: its goals are read when tasks are
+        # listed (the ids depend on them), its search index is built at the first episode.
+        self.data_dir, self.human_goals = data_dir, human_goals
         self._cache_dir = cache_dir
         self._disk_cache = disk_cache
         self._shop: Shop | None = None
@@ -147,8 +153,12 @@ class WebShopEnv(Env):
     def shop(self) -> Shop:
         """The process-wide shop of this seed (built or loaded on first use)."""
         if self._shop is None:
-            self._shop = get_shop(self.seed, self._cache_dir, self._disk_cache)
+            real = self._real()
+            self._shop = real.shop if real else get_shop(self.seed, self._cache_dir, self._disk_cache)
         return self._shop
+
+    def _real(self) -> RealData | None:
+        return real_data(self.data_dir, self.human_goals) if self.data_dir is not None else None
 
     # --- the conversation ----------------------------------------------------
     def instruction(self) -> str:
@@ -157,6 +167,10 @@ class WebShopEnv(Env):
     # --- tasks and episodes ----------------------------------------------------
     def tasks(self, split: str, difficulty: str | None = None) -> list[Task]:
         self.check_split(split, difficulty)
+        real = self._real()  # real data: listing its tasks reads the files (the ids depend on them)
+        if real is not None:
+            found = [Task(self.name, i, split, real_difficulty(real.goals[i])) for i in real.ids(split)]
+            return [task for task in found if difficulty in (None, task.difficulty)]
         return [
             Task(env=self.name, id=task_id, split=split, difficulty=difficulty_of(task_id))
             for task_id in task_ids(split)
@@ -165,6 +179,11 @@ class WebShopEnv(Env):
 
     def goal_of(self, task: Task) -> Goal:
         """The goal behind ``task`` (checks that the task is one of this environment's)."""
+        real = self._real()
+        if real is not None:
+            if task.env != self.name or task.id not in real.ids(task.split):
+                raise ValueError(f"{task} is not a task of the WebShop data in {self.data_dir}")
+            return real.goals[task.id]
         if task.env != self.name or split_of(task.id) != task.split or difficulty_of(task.id) != task.difficulty:
             raise ValueError(f"{task} is not a webshop task (see WebShopEnv.tasks)")
         return make_goal(self.shop.products, task.id, self.seed)
@@ -226,7 +245,8 @@ class WebShopEnv(Env):
 
     def _buy(self, action: str) -> Step:
         product = self.shop.by_asin[self.view.asin]
-        breakdown = purchase_reward(product, self.view.options, self.goal)
+        reward = real_reward if self.data_dir is not None else purchase_reward
+        breakdown = reward(product, self.view.options, self.goal)
         self.last_reward = breakdown
         self.view = replace(self.view, kind="done")
         info = {"action": action, "page": "done", "asin": product.asin, "reward": asdict(breakdown)}

@@ -58,10 +58,13 @@ class Goal:
     query: str
     category: str
     title: str
+    text: str = ""  # WebShop's own instruction (real data, `webshop.real`); empty: composed below
 
     @property
     def instruction(self) -> str:
         """The instruction text shown on every page."""
+        if self.text:
+            return self.text
         parts = list(self.attributes) + [f"{group}: {value}" for group, value in self.options]
         constraints = "".join(f", and {part}" for part in parts[1:])
         return (
