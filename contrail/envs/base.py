@@ -218,7 +218,7 @@ class Env(ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} does not define random valid actions")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most environments hold nothing to release
         """Release resources held by the current episode."""
 
     # --- helpers for subclasses -------------------------------------------

@@ -78,8 +78,8 @@ def parse_action(text: object) -> tuple[str, str] | None:
     if not isinstance(text, str):
         return None
     marker = None
-    for marker in _ACTION_MARKER.finditer(text):
-        pass  # only the last marker counts
+    for found in _ACTION_MARKER.finditer(text):
+        marker = found  # only the last marker counts
     tail = text[marker.end():] if marker is not None else text
     first = next((line.strip() for line in tail.splitlines() if line.strip()), "")
     parts = split_bracketed(first)
