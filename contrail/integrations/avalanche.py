@@ -53,6 +53,7 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import numpy as np
@@ -64,7 +65,8 @@ if TYPE_CHECKING:
     from contrail.strategies import Stage
     from contrail.stream import Experience, Stream
 
-__all__ = ["AvalancheMissingError", "as_scenario", "metric_values", "publish", "task_ids"]
+__all__ = ["AvalancheMissingError", "ContrailResult", "StagePublisher", "as_scenario", "metric_values", "publish",
+           "task_ids"]
 
 INSTALL_HINT = "pip install 'contrail[avalanche]'"
 
@@ -251,7 +253,7 @@ def _weighted(values: np.ndarray, weights: np.ndarray, columns: list[int]) -> fl
 
 
 def publish(run: str | os.PathLike | Any, loggers: Iterable[Any], *, measure: str = "avg_at_k",
-            task_labels: bool = False) -> list:
+            task_labels: bool = False, from_stage: int = 0) -> list:
     """Send every recorded stage of ``run`` to Avalanche ``loggers``; return the ``MetricValue``\\ s sent.
 
     ``run`` is a run directory (``plan.json`` + ``results.jsonl``) or a
@@ -260,12 +262,17 @@ def publish(run: str | os.PathLike | Any, loggers: Iterable[Any], *, measure: st
     ``log_single_metric(name, value, x_plot)``); a ``TextLogger`` (and so an
     ``InteractiveLogger``) then prints them under a stage header, as it does
     after an Avalanche evaluation, and a TensorBoard writer is flushed.
+    Stages before ``from_stage`` are left out (already published: see
+    `StagePublisher`).
     """
     test, trained_at, rows = _run_data(run)
-    values = metric_values(test, trained_at, rows, measure=measure, task_labels=task_labels)
+    values = [v for v in metric_values(test, trained_at, rows, measure=measure, task_labels=task_labels)
+              if v.x_plot >= from_stage]
     text_logger = _avalanche("avalanche.logging").TextLogger
     loggers = list(loggers)
     for s, row in enumerate(rows):
+        if s < from_stage:
+            continue
         stage_values = [v for v in values if v.x_plot == s]
         for logger in loggers:
             if isinstance(logger, text_logger):
@@ -282,6 +289,33 @@ def publish(run: str | os.PathLike | Any, loggers: Iterable[Any], *, measure: st
         if isinstance(logger, text_logger) and hasattr(logger.file, "flush"):
             logger.file.flush()
     return values
+
+
+class StagePublisher:
+    """`publish` each stage once: every call sends the stages recorded since the previous call.
+
+    Call it after each stage's row is written (from a loop that watches a
+    running run's directory, or once after `contrail.runner.run`); the
+    loggers see every stage exactly once, in order.
+
+    >>> publisher = StagePublisher([TensorboardLogger("tb/run")])
+    >>> publisher("runs/quickstart")     # stages 0..s so far; the next call sends s+1.. only
+    """
+
+    def __init__(self, loggers: Iterable[Any], *, measure: str = "avg_at_k", task_labels: bool = False) -> None:
+        self.loggers = list(loggers)
+        self.measure, self.task_labels = measure, task_labels
+        self.published = 0  # rows already sent
+
+    def __call__(self, run: str | os.PathLike | Any) -> list:
+        """Publish the rows of ``run`` not sent yet; return their ``MetricValue``\\ s."""
+        # One read of the run: a row written meanwhile is sent by the next call, not skipped.
+        test, trained_at, rows = _run_data(run)
+        snapshot = SimpleNamespace(test=test, trained_at=trained_at, rows=rows)
+        values = publish(snapshot, self.loggers, measure=self.measure, task_labels=self.task_labels,
+                         from_stage=self.published)
+        self.published = len(rows)
+        return values
 
 
 def _run_data(run: Any) -> tuple[list[str], list[int | None], list[dict[str, Any]]]:

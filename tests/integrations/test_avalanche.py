@@ -238,3 +238,23 @@ def test_publish_takes_a_run_result(avalanche, run_dir):
     _assert_matches(_by_stage(publish(result, [TextLogger(io.StringIO())])))
     with pytest.raises(FileNotFoundError, match="no such run directory"):
         publish(run_dir / "missing", [])
+
+
+@pytest.mark.avalanche
+def test_stage_publisher_sends_each_stage_once(avalanche, run_dir):
+    from avalanche.logging import TextLogger
+
+    from contrail.integrations.avalanche import StagePublisher
+
+    results = run_dir / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]), encoding="utf-8")  # stages 0, 1 so far
+    out = io.StringIO()
+    publisher = StagePublisher([TextLogger(out)])
+    first = publisher(run_dir)
+    assert sorted({v.x_plot for v in first}) == [0, 1]
+    assert publisher(run_dir) == []                        # nothing new
+    results.write_text("".join(json.dumps(r) + "\n" for r in ROWS), encoding="utf-8")   # stage 2 recorded
+    second = publisher(run_dir)
+    assert {v.x_plot for v in second} == {2}
+    assert _by_stage(second)[2] == pytest.approx(EXPECTED[2])
+    assert re.findall(r"contrail stage (\d+)", out.getvalue()) == ["0", "1", "2"]
