@@ -258,3 +258,48 @@ def test_stage_publisher_sends_each_stage_once(avalanche, run_dir):
     assert {v.x_plot for v in second} == {2}
     assert _by_stage(second)[2] == pytest.approx(EXPECTED[2])
     assert re.findall(r"contrail stage (\d+)", out.getvalue()) == ["0", "1", "2"]
+
+
+@pytest.mark.avalanche
+def test_a_real_run_publishes_its_matrix(avalanche, tmp_path):
+    """The runner's own run directory (a tiny model, two stages): values and scenario agree with it."""
+    import numpy as np
+    from avalanche.logging import TextLogger
+
+    import contrail.testing as testing  # registers the tiny "magic" environments
+    from contrail import metrics
+    from contrail.agent.rollout import RolloutConfig
+    from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec, build_stream
+    from contrail.grpo.config import GRPOConfig
+    from contrail.integrations.avalanche import as_scenario, publish
+    from contrail.runner import run
+    from contrail.strategies import Stage
+
+    tokenizer = testing.tiny_tokenizer()
+    testing.tiny_model(tokenizer, seed=0).save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    exp = Experiment(
+        name="tiny",
+        stream=StreamSpec(train=["magic:easy", "magic-berry:easy"],
+                          test=["magic:easy", "magic-berry:easy", "magic:hard"], train_tasks=4, test_tasks=2, steps_per_experience=1),
+        strategy=StrategySpec(name="sequential"),
+        model=ModelSpec(name=str(tmp_path / "tiny"), dtype="float32", device="cpu"),
+        rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
+        grpo=GRPOConfig(lr=1e-2, group_size=2, tasks_per_step=2),
+        eval=EvalSpec(k=2), out=str(tmp_path / "run"),
+    )
+    result = run(exp, show_progress=False)
+    got = _by_stage(publish(result.path, [TextLogger(io.StringIO())]))
+    R = result.matrix()
+    assert sorted(got) == [0, 1, 2]
+    for s in range(3):
+        for j in range(3):
+            assert got[s][f"Top1_Acc_Exp/eval_phase/test_stream/Task000/Exp{j:03}"] == pytest.approx(R[s, j])
+    assert got[2]["StreamBWT/eval_phase/test_stream"] == pytest.approx(metrics.backward_transfer(R, result.trained_at))
+    assert np.isclose(got[2]["ExperienceForgetting/eval_phase/test_stream/Task000/Exp000"], R[1, 0] - R[2, 0])
+
+    plan = json.loads((result.path / "plan.json").read_text(encoding="utf-8"))
+    scenario = as_scenario(build_stream(exp), [Stage.from_dict(d) for d in plan["stages"]])
+    assert [e.name for e in scenario.test_stream] == plan["test"]
+    assert [e.trained_at for e in scenario.test_stream] == plan["trained_at"] == [1, 2, None]
+    assert [e.stage.new for e in scenario.train_stream] == [("magic:easy",), ("magic-berry:easy",)]
