@@ -281,7 +281,8 @@ def test_a_real_run_publishes_its_matrix(avalanche, tmp_path):
     exp = Experiment(
         name="tiny",
         stream=StreamSpec(train=["magic:easy", "magic-berry:easy"],
-                          test=["magic:easy", "magic-berry:easy", "magic:hard"], train_tasks=4, test_tasks=2, steps_per_experience=1),
+                          test=["magic:easy", "magic-berry:easy", "magic:hard"],
+                          train_tasks=4, test_tasks=2, steps_per_experience=1),
         strategy=StrategySpec(name="sequential"),
         model=ModelSpec(name=str(tmp_path / "tiny"), dtype="float32", device="cpu"),
         rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
