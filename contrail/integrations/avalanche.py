@@ -119,7 +119,8 @@ def as_scenario(stream: Stream, stages: Sequence[Stage] | None = None, *, task_l
     ``task_labels`` is False) and, when it holds exactly one contrail
     experience, ``experience``, ``env``, ``difficulty``, ``task_id`` and
     ``task_label`` (``None`` otherwise). Train experiences also carry
-    ``stage`` (the `Stage`, ``None`` without a plan), ``name`` and ``steps``;
+    ``stage`` (the `Stage`, ``None`` without a plan), ``name``, ``steps`` and
+    ``weights`` (the shares of tasks it samples, replayed experiences included);
     test experiences carry ``name``, ``trained_at`` (the 1-based stage that
     first trains it) and ``held_out``.
     """
@@ -134,6 +135,8 @@ def as_scenario(stream: Stream, stages: Sequence[Stage] | None = None, *, task_l
     for stage, name, exps, steps in units:
         exp = _cl_experience(generic, exps, ids, task_labels)
         exp.stage, exp.name, exp.steps = stage, name, steps
+        # The shares of tasks the stage samples, replayed experiences included.
+        exp.weights = dict(stage.weights) if stage is not None else {name: 1.0}
         train.append(exp)
     trained_at = stream.trained_at([[e.name for e in u[2]] for u in units])
     test = []

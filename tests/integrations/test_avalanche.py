@@ -141,6 +141,7 @@ def test_scenario_streams_carry_the_experiences(avalanche):
     assert [(e.env, e.difficulty, e.task_id, e.task_labels) for e in train] == [
         ("babyai", "easy", 0, [0]), ("textcraft", "easy", 1, [0])]
     assert [e.stage for e in train] == [None, None]
+    assert [e.weights for e in train] == [{"babyai:easy": 1.0}, {"textcraft:easy": 1.0}]
     # The test stream: every test experience, in the matrix's order, the held-out one included.
     assert [e.name for e in test] == TEST
     assert [e.current_experience for e in test] == [0, 1, 2]
@@ -164,6 +165,7 @@ def test_scenario_from_a_plan_has_one_experience_per_stage(avalanche):
     train = list(scenario.train_stream)
     assert [e.stage for e in train] == stages
     assert [e.steps for e in train] == [7, 2]
+    assert train[1].weights == {"babyai:easy": 1.0}
     assert [tuple(x.name for x in e.experiences) for e in train] == [("babyai:easy", "textcraft:easy"), ()]
     assert train[0].task_labels == [0, 1] and train[0].task_label is None and train[0].experience is None
     test = list(scenario.test_stream)
