@@ -76,20 +76,20 @@ class VLLMConfig:
     def __post_init__(self) -> None:
         value = self.gpu_memory_utilization
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-            raise ValueError(f"vllm.gpu_memory_utilization must be in (0, 1], got {value!r}")
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {value!r}")
         if self.kv_cache_gb is not None and (isinstance(self.kv_cache_gb, bool)
                                              or not isinstance(self.kv_cache_gb, (int, float))
                                              or not self.kv_cache_gb > 0):
-            raise ValueError(f"vllm.kv_cache_gb must be a number > 0 or null, got {self.kv_cache_gb!r}")
+            raise ValueError(f"kv_cache_gb must be a number > 0 or null, got {self.kv_cache_gb!r}")
         for name in ("enforce_eager", "sleep"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"vllm.{name} must be true or false, got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool)
                                                or not isinstance(self.max_model_len, int)
                                                or self.max_model_len < 1):
-            raise ValueError(f"vllm.max_model_len must be an int >= 1 or null, got {self.max_model_len!r}")
+            raise ValueError(f"max_model_len must be an int >= 1 or null, got {self.max_model_len!r}")
         if self.dtype not in DTYPES:
-            raise ValueError(f"vllm.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
 def require_vllm():
