@@ -215,7 +215,10 @@ class VLLMBackend:
         self.stop_ids = frozenset(stop_ids)
         self.config = config
         self._seed, self._calls = seed, 0
-        self.engine = _engine_for(model, config, config.max_model_len or max_model_len, max_batch_size)
+        context = config.max_model_len or max_model_len
+        if config.max_model_len is None:  # the rollout's budget, within what the model's positions allow
+            context = min(context, getattr(model.config, "max_position_embeddings", None) or context)
+        self.engine = _engine_for(model, config, context, max_batch_size)
 
     # --- seeds (checkpointed like the HF backend's generator) ----------------------------
     def reseed(self, seed: int) -> None:
