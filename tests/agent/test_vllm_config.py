@@ -126,3 +126,42 @@ def _copy(trajectory):
 
     return dataclasses.replace(trajectory, ids=list(trajectory.ids), mask=list(trajectory.mask),
                                logprobs=list(trajectory.logprobs))
+
+
+def test_eval_backend_flag_without_vllm_is_one_line(monkeypatch, tmp_path, tokenizer, capsys):
+    from contrail.cli import main
+
+    tiny_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    code = main(["eval", "--model", str(tmp_path / "model"), "--env", "textcraft:easy", "--tasks", "1",
+                 "--backend", "vllm", "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert "--backend vllm: rollout.backend: vllm needs the vllm package" in capsys.readouterr().err
+
+
+def test_update_syncs_the_backend_after_the_optimizer_step(tokenizer):
+    trainer = _trainer(tokenizer, correction=False)
+    calls = []
+
+    class Recording:
+        """The trainer's backend, recording the update seams (with the parameters' versions at each call)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def prepare_update(self):
+            calls.append(("prepare", [p._version for p in trainer.model.parameters()]))
+
+        def sync_weights(self, model):
+            assert model is trainer.model
+            calls.append(("sync", [p._version for p in trainer.model.parameters()]))
+
+    trajectories = _trajectories_with_mismatch(trainer, 0.0)
+    trainer.policy.backend = Recording(trainer.policy.backend)
+    trainer.update(trajectories)
+    assert [name for name, _ in calls] == ["prepare", "sync"]
+    assert calls[1][1] != calls[0][1], "sync must come after the optimizer changed the weights"
