@@ -188,45 +188,47 @@ def turn_cost(policy, args, out) -> dict:
 # --- (c) vLLM against HF ----------------------------------------------------------------
 
 
-def vllm_policies(policy, args):
-    """The HF and the vLLM backend over the same fp32 weights, both sampling in bf16."""
+def vllm_vs_hf(policy, args, out) -> dict:
+    """Both backends on the same batches; HF is timed first, before the engine exists in the process.
+
+    The in-process engine binds the process's OpenMP threads; timing HF first
+    keeps that from counting against it.
+    """
     from contrail.agent.vllm import VLLMConfig
     from contrail.policy import Policy
 
-    model, tokenizer = policy.model, policy.tokenizer
-    hf = Policy.from_model(model, tokenizer, seed=0, max_batch_size=64, autocast_bf16=True)
-    engine = RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=8192, backend="vllm",
-                           vllm=VLLMConfig(dtype="bfloat16", enforce_eager=args.vllm_eager))
-    load_s, vllm = timed(lambda: Policy.from_model(model, tokenizer, seed=0, max_batch_size=64, rollout=engine))
-    return hf, vllm, load_s
-
-
-def rate(policy, tasks, make_env, config: RolloutConfig, seed: int) -> dict:
-    seconds, trajectories = play(policy, tasks, make_env, config, seed=seed, batched=True)
-    tokens = sum(t.generated_tokens for t in trajectories)
-    return {"seconds": seconds, "episodes": len(trajectories), "turns": sum(t.turns for t in trajectories),
-            "generated_tokens": tokens, "episodes_per_s": len(trajectories) / seconds, "tokens_per_s": tokens / seconds}
-
-
-def vllm_vs_hf(policy, args, out) -> dict:
     name, difficulty = envs.parse_spec(args.env)
     pool = envs.make(name).tasks("test", difficulty)
     make_env = lambda task: envs.make(task.env)  # noqa: E731
-    hf, vllm, load_s = vllm_policies(policy, args)
-    out.print(f"vLLM engine built and loaded in {load_s:.1f}s (enforce_eager={args.vllm_eager})")
     group = 8
     batches = {
         "train": ([task for task in pool[: max(1, args.train_episodes // group)] for _ in range(group)], 1.0),
         "eval": ((pool * args.eval_episodes)[: args.eval_episodes], args.eval_temperature),
     }
-    rows, results = [], {}
-    for label, (tasks, temperature) in batches.items():
-        config = RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=8192,
-                               temperature=temperature, max_turns=args.max_turns)
-        for backend_policy in (hf, vllm):  # warm-up: first-call allocations
-            play(backend_policy, tasks[:2], make_env, config, seed=1, batched=True)
-        results[label] = {"hf": rate(hf, tasks, make_env, config, seed=0),
-                          "vllm": rate(vllm, tasks, make_env, config, seed=0)}
+    configs = {label: RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=8192,
+                                    temperature=temperature, max_turns=args.max_turns)
+               for label, (_, temperature) in batches.items()}
+    model, tokenizer = policy.model, policy.tokenizer
+    hf = Policy.from_model(model, tokenizer, seed=0, max_batch_size=64, autocast_bf16=True)
+    engine = RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=8192, backend="vllm",
+                           vllm=VLLMConfig(dtype="bfloat16", enforce_eager=args.vllm_eager))
+    results: dict = {label: {} for label in batches}
+    for backend in ("hf", "vllm"):
+        if backend == "vllm":
+            load_s, sampler = timed(lambda: Policy.from_model(model, tokenizer, seed=0, max_batch_size=64,
+                                                              rollout=engine))
+            out.print(f"vLLM engine built and loaded in {load_s:.1f}s (enforce_eager={args.vllm_eager})")
+            results["vllm_load_seconds"] = load_s
+        else:
+            sampler = hf
+        for label, (tasks, _) in batches.items():
+            play(sampler, tasks[:2], make_env, configs[label], seed=1, batched=True)  # warm-up
+            results[label][backend] = rate(sampler, tasks, make_env, configs[label], seed=0)
+            r = results[label][backend]
+            out.print(f"  {label} {backend}: {r['episodes']} episodes, {r['generated_tokens']} tokens, "
+                      f"{r['seconds']:.1f}s")
+    rows = []
+    for label in batches:
         r = results[label]
         r["episodes_per_s_ratio"] = r["vllm"]["episodes_per_s"] / r["hf"]["episodes_per_s"]
         r["tokens_per_s_ratio"] = r["vllm"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
@@ -239,10 +241,17 @@ def vllm_vs_hf(policy, args, out) -> dict:
     out.print(table(
         f"(c) vLLM against HF: {args.env} test tasks, max_turns {args.max_turns}, max_new_tokens "
         f"{args.max_new_tokens}; train = groups of {group} at temperature 1, eval = distinct tasks at "
-        f"temperature {args.eval_temperature}; same tasks and seeds for both",
+        f"temperature {args.eval_temperature}; same tasks and seeds for both; both bf16",
         ["batch", "backend", "episodes", "turns", "gen tokens", "seconds", "episodes/s", "gen tokens/s"], rows))
-    results["vllm_load_seconds"] = load_s
     return results
+
+
+def rate(policy, tasks, make_env, config: RolloutConfig, seed: int) -> dict:
+    """Episodes/s and generated tokens/s of one batched rollout of ``tasks``."""
+    seconds, trajectories = play(policy, tasks, make_env, config, seed=seed, batched=True)
+    tokens = sum(t.generated_tokens for t in trajectories)
+    return {"seconds": seconds, "episodes": len(trajectories), "turns": sum(t.turns for t in trajectories),
+            "generated_tokens": tokens, "episodes_per_s": len(trajectories) / seconds, "tokens_per_s": tokens / seconds}
 
 
 def main(argv=None) -> None:

@@ -173,13 +173,18 @@ _ENGINES: dict[tuple, _Engine] = {}
 
 def _write_config(model, directory: str) -> None:
     """The model's config, naming its architecture class (vLLM picks its implementation by it)."""
-    config = model.config
-    if not getattr(config, "architectures", None):
-        config.architectures = [type(model).__name__]
-    config.save_pretrained(directory)
+    _name_architecture(model)
+    model.config.save_pretrained(directory)
+
+
+def _name_architecture(model) -> None:
+    if not getattr(model.config, "architectures", None):  # a config built in code names none
+        model.config.architectures = [type(model).__name__]
 
 
 def _engine_for(model, config: VLLMConfig, max_model_len: int, max_num_seqs: int) -> _Engine:
+    """The shared engine for this model shape and these settings (built on first use)."""
+    _name_architecture(model)  # before the key, so later lookups find the same engine
     key = (model.config.to_json_string(), json.dumps(asdict(config)), max_model_len, max_num_seqs)
     if key not in _ENGINES:
         _ENGINES[key] = _Engine(model, config, max_model_len, max_num_seqs)

@@ -123,3 +123,17 @@ def test_same_seed_same_samples(trainer):
     next_call = [g.ids for g in backend.generate(prompts, params)]
     backend.set_generator_state(state)
     assert [g.ids for g in backend.generate(prompts, params)] == next_call
+
+
+def test_a_second_backend_of_the_model_shares_the_engine_and_resyncs(trainer, tokenizer):
+    from contrail.policy import Policy
+
+    evaluator = Policy.from_model(trainer.model, tokenizer, seed=3, rollout=ROLLOUT).backend
+    assert evaluator.engine is trainer.policy.backend.engine  # no second engine (memory, a 2nd compile)
+    other = tiny_model(tokenizer, hidden_size=256, layers=2, seed=1)
+    stranger = Policy.from_model(other, tokenizer, rollout=ROLLOUT).backend
+    fixed = trainer.collect(tasks(1))[0].ids
+    assert max_gap(stranger.sequence_logprobs(fixed), trainer_logprobs(other, fixed)) < SYNC_TOLERANCE
+    # The shared engine now holds the other model's weights: the trainer's backend must notice and reload.
+    assert max_gap(trainer.policy.backend.sequence_logprobs(fixed), trainer_logprobs(trainer.model, fixed)) \
+        < SYNC_TOLERANCE
