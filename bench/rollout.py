@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval-episodes", type=int, default=64, help="(c) evaluation-sized batch")
     parser.add_argument("--eval-temperature", type=float, default=0.7, help="(c) evaluation sampling temperature")
     parser.add_argument("--vllm-eager", action="store_true", help="(c) enforce_eager: no compilation")
+    parser.add_argument("--vllm-backends", default="hf,vllm", help="(c) backends to time (a partial rerun)")
+    parser.add_argument("--vllm-batches", default="train,eval", help="(c) batches to play (a partial rerun)")
     parser.add_argument("--json", default=None, help="write the results here")
     return parser.parse_args(argv)
 
@@ -212,8 +214,10 @@ def vllm_vs_hf(policy, args, out) -> dict:
     hf = Policy.from_model(model, tokenizer, seed=0, max_batch_size=64, autocast_bf16=True)
     engine = RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=8192, backend="vllm",
                            vllm=VLLMConfig(dtype="bfloat16", enforce_eager=args.vllm_eager))
+    batches = {label: batches[label] for label in args.vllm_batches.split(",")}
     results: dict = {label: {} for label in batches}
-    for backend in ("hf", "vllm"):
+    backends = args.vllm_backends.split(",")
+    for backend in backends:
         if backend == "vllm":
             load_s, sampler = timed(lambda: Policy.from_model(model, tokenizer, seed=0, max_batch_size=64,
                                                               rollout=engine))
@@ -228,7 +232,7 @@ def vllm_vs_hf(policy, args, out) -> dict:
             out.print(f"  {label} {backend}: {r['episodes']} episodes, {r['generated_tokens']} tokens, "
                       f"{r['seconds']:.1f}s")
     rows = []
-    for label in batches:
+    for label in batches if backends == ["hf", "vllm"] else ():
         r = results[label]
         r["episodes_per_s_ratio"] = r["vllm"]["episodes_per_s"] / r["hf"]["episodes_per_s"]
         r["tokens_per_s_ratio"] = r["vllm"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
