@@ -14,6 +14,7 @@
     python bench/rollout.py --quick                       # embedded SmolLM2-135M, a few minutes on 2 cores
     python bench/rollout.py --model tiny                  # random 2-layer model: overheads only
     python bench/rollout.py --env babyai:easy --episodes 16 --max-new-tokens 64 --json out.json
+    /work/venv-vllm/bin/python bench/rollout.py --vllm --json vllm.json   # (c), SmolLM2, ~10 minutes here
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--skip-a", action="store_true")
     parser.add_argument("--skip-b", action="store_true")
+    parser.add_argument("--vllm", action="store_true", help="run (c) only: vLLM against HF")
+    parser.add_argument("--train-episodes", type=int, default=32, help="(c) training-sized batch (groups of 8)")
+    parser.add_argument("--eval-episodes", type=int, default=64, help="(c) evaluation-sized batch")
+    parser.add_argument("--eval-temperature", type=float, default=0.7, help="(c) evaluation sampling temperature")
+    parser.add_argument("--vllm-eager", action="store_true", help="(c) enforce_eager: no compilation")
+    parser.add_argument("--vllm-backends", default="hf,vllm", help="(c) backends to time (a partial rerun)")
+    parser.add_argument("--vllm-batches", default="train,eval", help="(c) batches to play (a partial rerun)")
     parser.add_argument("--json", default=None, help="write the results here")
     return parser.parse_args(argv)
 
@@ -179,6 +187,77 @@ def turn_cost(policy, args, out) -> dict:
     return {"expert_episode_turns": len(turns), "prompt_tokens": len(prompt), "rows": results}
 
 
+# --- (c) vLLM against HF ----------------------------------------------------------------
+
+
+def vllm_vs_hf(policy, args, out) -> dict:
+    """Both backends on the same batches; HF is timed first, before the engine exists in the process.
+
+    The in-process engine binds the process's OpenMP threads; timing HF first
+    keeps that from counting against it.
+    """
+    from contrail.agent.vllm import VLLMConfig
+    from contrail.policy import Policy
+
+    name, difficulty = envs.parse_spec(args.env)
+    pool = envs.make(name).tasks("test", difficulty)
+    make_env = lambda task: envs.make(task.env)  # noqa: E731
+    group = 8
+    batches = {
+        "train": ([task for task in pool[: max(1, args.train_episodes // group)] for _ in range(group)], 1.0),
+        "eval": ((pool * args.eval_episodes)[: args.eval_episodes], args.eval_temperature),
+    }
+    configs = {label: RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=8192,
+                                    temperature=temperature, max_turns=args.max_turns)
+               for label, (_, temperature) in batches.items()}
+    model, tokenizer = policy.model, policy.tokenizer
+    hf = Policy.from_model(model, tokenizer, seed=0, max_batch_size=64, autocast_bf16=True)
+    engine = RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=8192, backend="vllm",
+                           vllm=VLLMConfig(dtype="bfloat16", enforce_eager=args.vllm_eager))
+    batches = {label: batches[label] for label in args.vllm_batches.split(",")}
+    results: dict = {label: {} for label in batches}
+    backends = args.vllm_backends.split(",")
+    for backend in backends:
+        if backend == "vllm":
+            load_s, sampler = timed(lambda: Policy.from_model(model, tokenizer, seed=0, max_batch_size=64,
+                                                              rollout=engine))
+            out.print(f"vLLM engine built and loaded in {load_s:.1f}s (enforce_eager={args.vllm_eager})")
+            results["vllm_load_seconds"] = load_s
+        else:
+            sampler = hf
+        for label, (tasks, _) in batches.items():
+            play(sampler, tasks[:2], make_env, configs[label], seed=1, batched=True)  # warm-up
+            results[label][backend] = rate(sampler, tasks, make_env, configs[label], seed=0)
+            r = results[label][backend]
+            out.print(f"  {label} {backend}: {r['episodes']} episodes, {r['generated_tokens']} tokens, "
+                      f"{r['seconds']:.1f}s")
+    rows = []
+    for label in batches if backends == ["hf", "vllm"] else ():
+        r = results[label]
+        r["episodes_per_s_ratio"] = r["vllm"]["episodes_per_s"] / r["hf"]["episodes_per_s"]
+        r["tokens_per_s_ratio"] = r["vllm"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
+        for backend in ("hf", "vllm"):
+            b = r[backend]
+            rows.append([label, backend, b["episodes"], b["turns"], b["generated_tokens"], fmt(b["seconds"], 1),
+                         fmt(b["episodes_per_s"], 3), fmt(b["tokens_per_s"], 1)])
+        rows.append([label, "vllm / hf", "", "", "", "", fmt(r["episodes_per_s_ratio"], 2) + "x",
+                     fmt(r["tokens_per_s_ratio"], 2) + "x"])
+    out.print(table(
+        f"(c) vLLM against HF: {args.env} test tasks, max_turns {args.max_turns}, max_new_tokens "
+        f"{args.max_new_tokens}; train = groups of {group} at temperature 1, eval = distinct tasks at "
+        f"temperature {args.eval_temperature}; same tasks and seeds for both; both bf16",
+        ["batch", "backend", "episodes", "turns", "gen tokens", "seconds", "episodes/s", "gen tokens/s"], rows))
+    return results
+
+
+def rate(policy, tasks, make_env, config: RolloutConfig, seed: int) -> dict:
+    """Episodes/s and generated tokens/s of one batched rollout of ``tasks``."""
+    seconds, trajectories = play(policy, tasks, make_env, config, seed=seed, batched=True)
+    tokens = sum(t.generated_tokens for t in trajectories)
+    return {"seconds": seconds, "episodes": len(trajectories), "turns": sum(t.turns for t in trajectories),
+            "generated_tokens": tokens, "episodes_per_s": len(trajectories) / seconds, "tokens_per_s": tokens / seconds}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     set_threads(args.threads)
@@ -188,6 +267,10 @@ def main(argv=None) -> None:
     out.print(f"model {args.model}: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.1f}M parameters, "
               f"loaded in {load_s:.1f}s")
     report = {"machine": info, "args": vars(args)}
+    if args.vllm:
+        report["vllm_vs_hf"] = vllm_vs_hf(policy, args, out)
+        write_json(args.json, report)
+        return
     if not args.skip_a:
         report["batched_vs_sequential"] = batched_vs_sequential(policy, args, out)
     if not args.skip_b:

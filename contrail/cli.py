@@ -20,6 +20,7 @@ anything is written. Anything else is a bug: its traceback is kept (exit 1).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -122,18 +123,22 @@ def cmd_envs(args: argparse.Namespace) -> int:
 
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate a model on ``--env`` tasks; ``results.json`` and ``trajectories.jsonl`` go to ``--out``."""
+    from contrail.agent.vllm import VLLMNotInstalled
     from contrail.evaluation import evaluate
     from contrail.models import resolve_device
     from contrail.policy import Policy
     from contrail.stream import Experience, env_factory
 
-    config = rollout_from_args(args)
+    config = dataclasses.replace(rollout_from_args(args), backend=args.backend)
     device = resolve_device(args.device)
     out = output_dir(args.out, Path("runs") / "eval" / time.strftime("%Y%m%d-%H%M%S"))
     experiences = [Experience.from_spec(spec, test_tasks=args.tasks, train_tasks=args.tasks, seed=args.seed)
                    for spec in args.env]
     task_lists = {e.name: (e.test_tasks if args.split == "test" else e.train_tasks) for e in experiences}
-    policy = Policy.load(args.model, device=device, dtype=args.dtype, seed=args.seed)
+    try:
+        policy = Policy.load(args.model, device=device, dtype=args.dtype, seed=args.seed, rollout=config)
+    except VLLMNotInstalled as error:
+        raise UsageError(f"--backend vllm: {error}") from None
     out.mkdir(parents=True, exist_ok=True)
     trajectories = out / "trajectories.jsonl"
     trajectories.unlink(missing_ok=True)
@@ -403,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--tasks", type=_positive, default=20, help="tasks per environment (a fixed spread sample)")
     p_eval.add_argument("-k", type=_positive, default=1, help="samples per task (avg@k, pass@k)")
     p_eval.add_argument("--out", default=None, help="output directory (default runs/eval/<time>)")
+    p_eval.add_argument("--backend", default="hf", choices=["hf", "vllm"],
+                        help="what samples: hf (the model itself) or vllm (a vLLM engine; docs/vllm.md)")
     add_rollout_arguments(p_eval)
     p_eval.set_defaults(handler=cmd_eval)
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from contrail.agent.backend import HFBackend
+from contrail.agent.backend import Backend, HFBackend
 from contrail.agent.chat import ChatFormat
 from contrail.models import load_model
+
+if TYPE_CHECKING:
+    from contrail.agent.rollout import RolloutConfig
 
 
 @dataclass
@@ -16,18 +20,33 @@ class Policy:
     model: object
     tokenizer: object
     chat: ChatFormat
-    backend: HFBackend
+    backend: Backend
 
     @classmethod
     def from_model(cls, model, tokenizer, seed: int = 0, max_batch_size: int = 64,
-                   autocast_bf16: bool = False) -> "Policy":
-        """Wrap a loaded model; ``autocast_bf16`` samples in bf16 from fp32 (training) weights."""
+                   autocast_bf16: bool = False, rollout: "RolloutConfig | None" = None) -> "Policy":
+        """Wrap a loaded model, sampling with the backend ``rollout.backend`` names (default: HF).
+
+        ``autocast_bf16`` samples in bf16 from fp32 (training) weights (HF
+        backend). With ``rollout.backend == "vllm"`` a colocated vLLM engine
+        (`contrail.agent.vllm.VLLMBackend`, configured by ``rollout.vllm``)
+        samples from a copy of ``model``'s weights.
+        """
         chat = ChatFormat.from_tokenizer(tokenizer)
-        backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=seed, max_batch_size=max_batch_size,
-                            autocast_bf16=autocast_bf16)
+        if rollout is not None and rollout.backend == "vllm":
+            from contrail.agent.vllm import VLLMBackend, require_vllm
+
+            require_vllm()  # fail with the install hint before anything is built
+            backend = VLLMBackend(model, chat.stop_ids, seed=seed, config=rollout.vllm,
+                                  max_model_len=rollout.max_episode_tokens, max_batch_size=max_batch_size)
+        else:
+            backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=seed,
+                                max_batch_size=max_batch_size, autocast_bf16=autocast_bf16)
         return cls(model, tokenizer, chat, backend)
 
     @classmethod
-    def load(cls, name: str, device: str = "cpu", dtype: str = "float32", seed: int = 0) -> "Policy":
+    def load(cls, name: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
+             rollout: "RolloutConfig | None" = None) -> "Policy":
+        """Load model ``name`` and wrap it (see `from_model` for ``rollout``)."""
         model, tokenizer = load_model(name, dtype=dtype, device=device)
-        return cls.from_model(model, tokenizer, seed=seed)
+        return cls.from_model(model, tokenizer, seed=seed, rollout=rollout)

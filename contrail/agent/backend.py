@@ -3,7 +3,10 @@
 A backend returns the sampled ids themselves (never text) and the sampler's
 log-probability of each, so the rollout can keep token-in/token-out
 bookkeeping. ``HFBackend`` runs a Hugging Face causal LM with its KV cache on
-CPU or GPU; a vLLM backend plugs in behind the same two methods.
+CPU or GPU; ``contrail.agent.vllm.VLLMBackend`` plugs in behind the same
+methods. After an optimizer update the trainer calls ``sync_weights(model)``
+on the backend (``needs_weight_sync`` says whether it holds its own copy of the
+weights); ``prepare_update()`` before it lets a backend free memory.
 """
 
 from __future__ import annotations
@@ -45,6 +48,20 @@ class Backend(Protocol):
     """What the rollout needs from a generator."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+
+
+def sync_after_update(backend, model) -> None:
+    """Make ``backend`` sample from ``model``'s current weights (backends without ``sync_weights``: nothing)."""
+    sync = getattr(backend, "sync_weights", None)
+    if sync is not None:
+        sync(model)
+
+
+def prepare_update(backend) -> None:
+    """Let ``backend`` free memory before an optimizer update (vLLM's sleep mode)."""
+    prepare = getattr(backend, "prepare_update", None)
+    if prepare is not None:
+        prepare()
 
 
 def _cache_of(output):
@@ -153,6 +170,15 @@ class HFBackend:
     def reset_cache(self) -> None:
         """Forget the kept KV cache (e.g. after the weights changed)."""
         self._session = None
+
+    needs_weight_sync = False  # it samples from the training model itself
+
+    def sync_weights(self, model=None) -> None:
+        """Nothing to copy (the backend runs the model itself); the kept KV cache is stale, so drop it."""
+        self.reset_cache()
+
+    def prepare_update(self) -> None:
+        """Nothing to free before an update."""
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from contrail.agent.backend import Backend, SamplingParams
 from contrail.agent.chat import ChatFormat
+from contrail.agent.vllm import VLLMConfig
 from contrail.envs.base import Env, Step, Task
 
 MAX_STEP_THREADS = 64  # concurrent remote steps per turn (one HTTP request each)
@@ -42,8 +43,14 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_turns: int | None = None       # overrides the environments' own turn limits when set
+    backend: str = "hf"                # what samples: "hf" (the model itself) or "vllm" (a colocated engine)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)  # the engine's settings, used with backend: vllm
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if not isinstance(self.vllm, VLLMConfig):
+            raise ValueError(f"vllm must be a VLLMConfig (a mapping of its settings), got {self.vllm!r}")
         for name in ("max_new_tokens", "max_episode_tokens"):
             _check_int(name, getattr(self, name))
         if self.max_turns is not None:
@@ -60,6 +67,9 @@ class RolloutConfig:
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.max_new_tokens, self.temperature, self.top_p)
+
+
+BACKENDS = ("hf", "vllm")
 
 
 def _is_number(value: Any) -> bool:

@@ -43,6 +43,13 @@ class GRPOConfig(TrainConfig):
     scale_advantages: bool = True  # False = Dr. GRPO (centring only)
     skip_zero_advantage: bool = True  # groups whose rewards are all equal carry no gradient signal
     max_error_rate: float = 0.1    # share of a step's episodes whose environment may raise before the step fails
+    # Truncated importance sampling for the sampler/trainer mismatch (TRL's
+    # vllm_importance_sampling_correction): each sampled token's loss is weighted by
+    # min(exp(logp_old - logp_sampler), importance_sampling_cap), logp_old the trainer's
+    # log-prob before the update, logp_sampler the engine's. Needs temperature 1 and top_p 1
+    # (the sampler's log-probs must be of the distribution the trainer scores).
+    importance_sampling_correction: bool = False
+    importance_sampling_cap: float = 2.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -63,3 +70,5 @@ class GRPOConfig(TrainConfig):
         check_bool("scale_advantages", self.scale_advantages)
         check_bool("skip_zero_advantage", self.skip_zero_advantage)
         check_number("max_error_rate", self.max_error_rate, low=0.0, high=1.0)
+        check_bool("importance_sampling_correction", self.importance_sampling_correction)
+        check_number("importance_sampling_cap", self.importance_sampling_cap, low=1.0)

@@ -50,6 +50,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
     normalizer: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Clipped GRPO loss of one batch; see the module docstring for the equation.
 
@@ -80,6 +81,9 @@ def policy_loss(
             micro-batches' losses then gives the full minibatch's loss
             (:func:`loss_normalizer` computes the number). ``None``: this batch
             is the whole minibatch.
+        weights: ``(batch, tokens)`` per-token weights multiplying each
+            token's whole loss (detached): the truncated importance-sampling
+            correction ``min(exp(old - sampler), cap)``. ``None``: all 1.
 
     Returns:
         ``(loss, stats)``: a scalar tensor, and python floats over the masked
@@ -126,6 +130,10 @@ def policy_loss(
         if entropy_coef != 0.0:
             per_token = per_token - entropy_coef * ent
 
+    if weights is not None:
+        if tuple(weights.shape) != tuple(logprobs.shape):
+            raise ValueError(f"weights has shape {tuple(weights.shape)} but logprobs has {tuple(logprobs.shape)}")
+        per_token = per_token * _masked(weights.detach().to(dtype), m)
     per_token = _masked(per_token, m)
     loss = _aggregate(per_token, m, aggregation, normalizer)
     stats = _stats(m, ratio, clipped, kl, ent)

@@ -26,9 +26,12 @@ class GRPOSample(Sample):
     ``old_logprobs`` / ``ref_logprobs`` are 1-D float tensors aligned with
     ``ids`` (the sampled tokens' log-probs under the policy before this
     step's updates / under the reference), ``None`` until computed.
+    ``sampler_logprobs`` are the log-probs the sampler reported (the
+    trajectory's), for the importance-sampling correction.
     """
 
     advantage: float
+    sampler_logprobs: list[float] | None = None
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
 
@@ -71,7 +74,8 @@ def to_samples(trajectories: list[Trajectory], advantages: torch.Tensor,
             continue  # nothing generated (a prompt over the token limit): nothing to train
         if skip_zero_advantage and advantage == 0.0:
             continue  # its group's rewards were all equal: the gradient would be zero anyway
-        samples.append(GRPOSample(ids=trajectory.ids, mask=trajectory.mask, advantage=advantage))
+        samples.append(GRPOSample(ids=trajectory.ids, mask=trajectory.mask, advantage=advantage,
+                                  sampler_logprobs=trajectory.logprobs))
     return samples
 
 

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from contrail.agent.backend import prepare_update, sync_after_update
 from contrail.agent.rollout import RolloutConfig, Trajectory, rollout
 from contrail.envs.base import Env, Task
 from contrail.grpo.advantage import group_advantages
@@ -103,6 +104,12 @@ class GRPOTrainer:
                 f"temperature must be > 0 for GRPO training (greedy rollouts make every group identical), "
                 f"got {rollout.temperature}"
             )
+        if config.importance_sampling_correction and (rollout.temperature != 1 or rollout.top_p != 1):
+            raise ValueError(
+                "importance_sampling_correction needs rollout.temperature 1 and rollout.top_p 1 (the sampler's "
+                f"log-probs must be of the distribution the trainer scores), got temperature {rollout.temperature} "
+                f"and top_p {rollout.top_p}"
+            )
         self.config, self.rollout, self.make_env = config, rollout, make_env
         self.seed = check_seed(seed)
         self.show_progress = show_progress
@@ -110,7 +117,7 @@ class GRPOTrainer:
         self.accelerator = self.masked_trainer.accelerator
         self.policy = Policy.from_model(self.model, tokenizer,
                                         seed=derive_seed(seed, "rollout", self.accelerator.process_index),
-                                        autocast_bf16=config.precision == "bf16")
+                                        autocast_bf16=config.precision == "bf16", rollout=rollout)
         self.reference = self._make_reference() if config.beta > 0 else None
         self.log_path = Path(log_dir) / "grpo_log.jsonl" if log_dir else None
         self.step_count = 0
@@ -222,9 +229,12 @@ class GRPOTrainer:
         stats = {"episode_errors": float(errors), "dropped_groups": float(dropped),
                  "trained_episodes": float(len(samples)), **_advantage_stats(advantages)}
         if self._has_signal(samples):
+            prepare_update(self.policy.backend)  # vLLM sleep mode frees the engine's memory here
             stats.update(self._optimize(samples or [_filler(trajectories)]))
         else:
             stats["skipped_update"] = 1.0
+        # The next rollout must sample from the weights just trained (a stale engine is the classic bug).
+        sync_after_update(self.policy.backend, self.model)
         self.step_count += 1
         return stats
 
@@ -318,13 +328,17 @@ class GRPOTrainer:
         old = logprobs.detach() if self._single_update else padded([s.old_logprobs for s in samples], batch)
         ref = padded([s.ref_logprobs for s in samples], batch) if self.reference is not None else None
         advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float32, device=logprobs.device)
+        weights = self._importance_weights(old, samples, batch) if self.config.importance_sampling_correction else None
         loss, stats = policy_loss(
             logprobs, old, advantages, batch.loss_mask, clip_low=self.config.clip_low,
             clip_high=self.config.clip_high, aggregation=self.config.aggregation, ref_logprobs=ref,
             beta=self.config.beta, entropy=entropy if self.config.entropy_coef > 0 else entropy.detach(),
-            entropy_coef=self.config.entropy_coef, normalizer=normalizer,
+            entropy_coef=self.config.entropy_coef, normalizer=normalizer, weights=weights,
         )
         stats = {k: float(v) for k, v in stats.items() if k != "tokens"}
+        if weights is not None:
+            mask = batch.loss_mask.bool()
+            stats["is_weight_mean"] = float(weights[mask].mean()) if mask.any() else 1.0
         if self._loss_terms:
             share = self._share(batch, normalizer)
             for term in list(self._loss_terms):
@@ -334,6 +348,16 @@ class GRPOTrainer:
                 loss = loss + share * value
                 stats.update({k: float(v) for k, v in term_stats.items()})
         return loss, stats
+
+    def _importance_weights(self, old: torch.Tensor, samples: list[GRPOSample], batch: Batch) -> torch.Tensor:
+        """Truncated IS weights ``min(exp(old - sampler), cap)`` per token (TRL's vLLM IS correction).
+
+        ``old`` is the trainer's log-prob before this step's updates; the
+        sampler's come from the trajectory. They differ by the engine's
+        numerics (bf16, kernels), so the rollout is slightly off-policy.
+        """
+        sampler = padded([torch.tensor(s.sampler_logprobs, dtype=torch.float32) for s in samples], batch)
+        return torch.exp(old.detach().float() - sampler).clamp(max=self.config.importance_sampling_cap)
 
     @torch.no_grad()
     def _attach_old_and_ref_logprobs(self, samples: list[GRPOSample]) -> None:

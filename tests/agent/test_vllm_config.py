@@ -1,0 +1,167 @@
+"""The vLLM backend's settings, its selection, and the importance-sampling correction: no vLLM needed."""
+
+from __future__ import annotations
+
+import math
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from contrail.agent import RolloutConfig
+from contrail.agent.vllm import VLLMConfig, VLLMNotInstalled
+from contrail.experiment import ConfigError, load_experiment
+from contrail.grpo.config import GRPOConfig
+from contrail.grpo.trainer import GRPOTrainer
+from contrail.policy import Policy
+from contrail.testing import MagicWordEnv, tiny_model
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization must be in (0, 1]"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1]"),
+    ({"kv_cache_gb": 0}, "kv_cache_gb must be a number > 0"),
+    ({"enforce_eager": "yes"}, "enforce_eager must be true or false"),
+    ({"max_model_len": 0}, "max_model_len must be an int >= 1"),
+    ({"dtype": "int8"}, "dtype must be one of auto, float32, bfloat16, float16"),
+])
+def test_vllm_config_names_the_bad_setting(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        VLLMConfig(**options)
+
+
+def test_rollout_backend_is_hf_or_vllm():
+    assert RolloutConfig().backend == "hf"
+    assert RolloutConfig(backend="vllm").vllm == VLLMConfig()
+    with pytest.raises(ValueError, match="backend must be one of hf, vllm, got 'sglang'"):
+        RolloutConfig(backend="sglang")
+
+
+def _experiment(tmp_path, rollout: str):
+    path = tmp_path / "exp.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        stream: {{train: [textcraft:easy], test_tasks: 2, steps_per_experience: 1}}
+        rollout: {rollout}
+        """))
+    return path
+
+
+def test_experiment_file_selects_vllm_for_training_and_evaluation(tmp_path):
+    exp = load_experiment(_experiment(tmp_path, "{backend: vllm, vllm: {enforce_eager: true, dtype: bfloat16}}"))
+    assert exp.rollout.backend == "vllm"
+    assert exp.rollout.vllm == VLLMConfig(enforce_eager=True, dtype="bfloat16")
+    assert exp.eval_rollout.backend == "vllm" and exp.eval_rollout.vllm == exp.rollout.vllm
+
+
+def test_experiment_file_error_names_the_vllm_key(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.vllm.dtype"):
+        load_experiment(_experiment(tmp_path, "{backend: vllm, vllm: {dtype: int8}}"))
+    with pytest.raises(ConfigError, match="rollout.vllm.swap_space"):
+        load_experiment(_experiment(tmp_path, "{backend: vllm, vllm: {swap_space: 4}}"))
+
+
+def test_vllm_backend_without_vllm_says_how_to_install(monkeypatch, tokenizer, model):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing it now raises ImportError
+    with pytest.raises(VLLMNotInstalled, match="scripts/install_vllm_cpu.sh"):
+        Policy.from_model(model, tokenizer, rollout=RolloutConfig(backend="vllm"))
+    assert type(Policy.from_model(model, tokenizer, rollout=RolloutConfig()).backend).__name__ == "HFBackend"
+
+
+# --- importance-sampling correction --------------------------------------------------------
+
+ROLLOUT = RolloutConfig(max_new_tokens=3, max_episode_tokens=256)
+
+
+def _trainer(tokenizer, correction: bool, cap: float = 2.0) -> GRPOTrainer:
+    config = GRPOConfig(lr=1e-3, group_size=2, tasks_per_step=2, warmup_steps=0,
+                        importance_sampling_correction=correction, importance_sampling_cap=cap)
+    return GRPOTrainer(tiny_model(tokenizer, seed=0), tokenizer, config, ROLLOUT, lambda task: MagicWordEnv(),
+                       seed=0, show_progress=False)
+
+
+def _trajectories_with_mismatch(trainer: GRPOTrainer, shift: float):
+    """Two groups of rollouts with rewards that differ within each group, sampler log-probs moved by ``shift``."""
+    trajectories = trainer.collect(MagicWordEnv().tasks("train", "easy")[:2])
+    for index, trajectory in enumerate(trajectories):
+        trajectory.reward = float(index % 2)
+        trajectory.logprobs = [lp + shift if m else lp for lp, m in zip(trajectory.logprobs, trajectory.mask)]
+    return trajectories
+
+
+@pytest.mark.parametrize("shift, weight", [(-math.log(1.5), 1.5), (-5.0, 2.0)])
+def test_importance_weight_is_truncated_ratio_of_trainer_to_sampler(tokenizer, shift, weight):
+    plain, corrected = _trainer(tokenizer, correction=False), _trainer(tokenizer, correction=True)
+    trajectories = _trajectories_with_mismatch(plain, shift)
+    reference = plain.update([_copy(t) for t in trajectories])
+    stats = corrected.update([_copy(t) for t in trajectories])
+    # The sampler (fp32 HF here) agrees with the trainer to ~1e-6 before the fake shift.
+    assert stats["is_weight_mean"] == pytest.approx(weight, rel=1e-3)
+    # Every token's loss is scaled by the weight, so the gradient is (the loss is ~0 at ratio 1).
+    assert stats["grad_norm"] == pytest.approx(weight * reference["grad_norm"], rel=1e-3)
+    assert "is_weight_mean" not in reference
+
+
+def test_without_mismatch_the_correction_changes_nothing(tokenizer):
+    plain, corrected = _trainer(tokenizer, correction=False), _trainer(tokenizer, correction=True)
+    trajectories = _trajectories_with_mismatch(plain, 0.0)
+    reference = plain.update([_copy(t) for t in trajectories])
+    stats = corrected.update([_copy(t) for t in trajectories])
+    assert stats["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+    for a, b in zip(plain.model.parameters(), corrected.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_correction_refuses_tempered_sampling(tokenizer):
+    config = GRPOConfig(group_size=2, tasks_per_step=1, importance_sampling_correction=True)
+    with pytest.raises(ValueError, match="importance_sampling_correction needs rollout.temperature 1"):
+        GRPOTrainer(tiny_model(tokenizer), tokenizer, config, RolloutConfig(temperature=0.7),
+                    lambda task: MagicWordEnv(), show_progress=False)
+    with pytest.raises(ValueError, match="importance_sampling_cap"):
+        GRPOConfig(importance_sampling_cap=0.5)
+
+
+def _copy(trajectory):
+    import dataclasses
+
+    return dataclasses.replace(trajectory, ids=list(trajectory.ids), mask=list(trajectory.mask),
+                               logprobs=list(trajectory.logprobs))
+
+
+def test_eval_backend_flag_without_vllm_is_one_line(monkeypatch, tmp_path, tokenizer, capsys):
+    from contrail.cli import main
+
+    tiny_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    code = main(["eval", "--model", str(tmp_path / "model"), "--env", "textcraft:easy", "--tasks", "1",
+                 "--backend", "vllm", "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert "--backend vllm: rollout.backend: vllm needs the vllm package" in capsys.readouterr().err
+
+
+def test_update_syncs_the_backend_after_the_optimizer_step(tokenizer):
+    trainer = _trainer(tokenizer, correction=False)
+    calls = []
+
+    class Recording:
+        """The trainer's backend, recording the update seams (with the parameters' versions at each call)."""
+
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def prepare_update(self):
+            calls.append(("prepare", [p._version for p in trainer.model.parameters()]))
+
+        def sync_weights(self, model):
+            assert model is trainer.model
+            calls.append(("sync", [p._version for p in trainer.model.parameters()]))
+
+    trajectories = _trajectories_with_mismatch(trainer, 0.0)
+    trainer.policy.backend = Recording(trainer.policy.backend)
+    trainer.update(trajectories)
+    assert [name for name, _ in calls] == ["prepare", "sync"]
+    assert calls[1][1] != calls[0][1], "sync must come after the optimizer changed the weights"
