@@ -22,8 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import (console, fmt, load_policy, median, print_machine, set_threads, table, timed,
-                     write_json)
+from _common import console, fmt, load_policy, median, print_machine, set_threads, table, timed, write_json
 
 import contrail.envs as envs
 from contrail.agent.backend import HFBackend, SamplingParams
@@ -161,13 +160,13 @@ def turn_cost(policy, args, out) -> dict:
         # Interleaved, so a burst of load on the shared machine hits all three alike.
         full, only_prefill, reused = [], [], []
         for _ in range(args.repeats):
-            full.append(timed(lambda: fresh.generate(prompts, turn))[0])
-            only_prefill.append(timed(lambda: fresh.generate(prompts, prefill))[0])
+            full.append(timed(lambda: fresh.generate(prompts, turn))[0])  # noqa: B023 - called at once, inside the loop
+            only_prefill.append(timed(lambda: fresh.generate(prompts, prefill))[0])  # noqa: B023 - called at once, inside the loop
             if count > 1:  # the previous turn leaves its cache; this turn prefills only what is new
                 before = history(prompt, turns, count - 1)
                 generated = kept.generate([before] * batch, turn)
                 after = turns[(count - 2) % len(turns)][1]
-                reused.append(timed(lambda: kept.generate([before + g.ids + after for g in generated], turn))[0])
+                reused.append(timed(lambda: kept.generate([before + g.ids + after for g in generated], turn))[0])  # noqa: B023 - called at once, inside the loop
         results.append({"turns": count, "history_tokens": len(prompts[0]), "turn_ms": 1e3 * median(full),
                         "prefill_ms": 1e3 * median(only_prefill),
                         "kept_cache_turn_ms": 1e3 * median(reused) if reused else 1e3 * median(full)})

@@ -205,7 +205,8 @@ class Evaluator:
         model.eval()
         try:
             with preserved_rng():
-                policy = Policy.from_model(model, tokenizer, seed=self.seed, autocast_bf16=autocast_bf16)
+                policy = Policy.from_model(model, tokenizer, seed=self.seed, autocast_bf16=autocast_bf16,
+                                           rollout=self.rollout)
                 return evaluate(policy.backend, policy.chat, self.tasks, self.make_env, k=self.k,
                                 config=self.rollout, batch_episodes=self.batch_episodes,
                                 trajectories_path=trajectories_path, description=description,

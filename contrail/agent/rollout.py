@@ -295,8 +295,7 @@ def rollout(
 
     ``make_env(task)`` builds a fresh environment per episode; an exception
     there fails that episode (error recorded), like one from the environment
-    itself. ``on_turn(live,
-    generated_tokens)`` is called after each batched turn and
+    itself. ``on_turn(live, generated_tokens)`` is called after each batched turn and
     ``on_episode(trajectory)`` when an episode finishes (progress bars).
     Returns trajectories in the order of ``tasks``.
     """
@@ -305,11 +304,7 @@ def rollout(
     if reset_cache:
         reset_cache()  # a kept KV cache belongs to other episodes (and maybe older weights)
     episodes = _start_all(tasks, samples, make_env, chat, config)
-    for episode in episodes:
-        if episode.done:  # failed to start or over the token limit at once
-            _close(episode)
-            if on_episode:
-                on_episode(episode.trajectory)
+    _finish_done(episodes, on_episode)  # failed to start or over the token limit at once
     params = config.sampling()
     while True:
         live = [e for e in episodes if not e.done]
@@ -321,16 +316,21 @@ def rollout(
         else:
             generations = backend.generate(prompts, params)
         _step_all(live, generations, chat, config)
-        for episode in live:
-            if episode.done:
-                _close(episode)
-                if on_episode:
-                    on_episode(episode.trajectory)
+        _finish_done(live, on_episode)
         if on_turn:
             on_turn(len(live), sum(len(g.ids) for g in generations))
     if reset_cache:
         reset_cache()  # free the cache's memory
     return [e.trajectory for e in episodes]
+
+
+def _finish_done(episodes: list[_Episode], on_episode: Callable[[Trajectory], None] | None) -> None:
+    """Close every episode of ``episodes`` that has ended, and report it."""
+    for episode in episodes:
+        if episode.done:
+            _close(episode)
+            if on_episode:
+                on_episode(episode.trajectory)
 
 
 def _close(episode: _Episode) -> None:
