@@ -29,7 +29,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import yaml
@@ -223,6 +223,26 @@ def _lookup(config: dict[str, Any], dotted: str) -> Any:
             return "(absent)"
         node = node[part]
     return node
+
+
+def truncate_log(path: Path, keep: Callable[[dict[str, Any]], bool]) -> None:
+    """Rewrite the JSONL log ``path`` (atomically) with only the entries ``keep`` accepts.
+
+    A resumed run logs its interrupted steps again, so its log is first cut back
+    to what its checkpoint covers; a half-written last line (a kill during the
+    write) is dropped too. A missing file is left missing.
+    """
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and keep(entry):
+            kept.append(line + "\n")
+    _atomic_write(path, "".join(kept))
 
 
 def _atomic_write(path: Path, text: str) -> None:

@@ -50,7 +50,7 @@ from contrail.integrations.trackers import Tracking
 from contrail.metrics import summarize
 from contrail.models import load_model
 from contrail.progress import console
-from contrail.results import RunDir, RunExistsError, result_matrix
+from contrail.results import RunDir, RunExistsError, result_matrix, truncate_log
 from contrail.seeds import derive_seed
 from contrail.strategies import Stage, stage_sampler
 from contrail.stream import Stream, env_factory
@@ -147,7 +147,9 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
         console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
     if processes.is_main_process:
-        _truncate_log(run_dir.path / GRPO_LOG, trainer.step_count)
+        steps = trainer.step_count  # the checkpoint's steps; a resumed stage logs the rest again
+        truncate_log(run_dir.path / GRPO_LOG,
+                     lambda entry: isinstance(entry.get("step"), int) and entry["step"] <= steps)
         _drop_stale_checkpoints(run_dir, done)
     evaluator = _make_evaluator(experiment, stream, show_progress)
     tracker = _drift_tracker(run_dir, trainer) if experiment.eval.drift and processes.is_main_process else None
@@ -451,26 +453,6 @@ def _train_summary(history: list[dict[str, float]]) -> dict[str, Any]:
 def _read_plan(run_dir: RunDir) -> dict[str, Any] | None:
     path = run_dir.path / PLAN
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
-def _truncate_log(path: Path, steps: int) -> None:
-    """Keep the GRPO log's lines of steps ``1..steps``: a resumed stage logs its steps again.
-
-    A half-written last line (a kill during the write) is dropped too.
-    """
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= steps:
-            kept.append(line + "\n")
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(kept), encoding="utf-8")
-    partial.replace(path)
 
 
 def _drop_stale_checkpoints(run_dir: RunDir, done: int) -> None:

@@ -32,6 +32,7 @@ from accelerate import PartialState
 from contrail import __version__
 from contrail.models import cache_dir, load_model
 from contrail.progress import StepProgress, console
+from contrail.results import truncate_log
 from contrail.seeds import derive_seed
 from contrail.train.config import TrainConfig
 from contrail.train.demos import demonstrations
@@ -75,7 +76,8 @@ def train_sft(model_name: str, spec: WarmStart, out: str | Path, *, seed: int = 
         raise RuntimeError(f"the experts solved none of the {made['episodes']} demonstration episodes")
     trainer = MaskedTokenTrainer(model, tokenizer, sft_config(spec), log_dir=out, seed=seed)
     first_epoch = trainer.load_state(checkpoint)["epoch"] + 1 if resuming else 0
-    _truncate_log(out / "log.jsonl", first_epoch)  # an epoch cut short is logged again in full
+    truncate_log(out / "log.jsonl",  # an epoch cut short is logged again in full
+                 lambda entry: isinstance(entry.get("epoch"), int) and entry["epoch"] < first_epoch)
     start = time.perf_counter()
     _train_epochs(trainer, samples, spec, seed, first_epoch, out, show_progress)
     model_dir = trainer.save_model(out / "model")
@@ -107,23 +109,6 @@ def _train_epochs(trainer: MaskedTokenTrainer, samples, spec: WarmStart, seed: i
                 trainer.accelerator.log(stats, step=trainer.global_step)
                 progress.step_done(f"loss/token {stats['nll_per_token']:.3f}")
             trainer.save(out / "checkpoint", extra={"epoch": epoch})
-
-
-def _truncate_log(path: Path, epochs: int) -> None:
-    """Keep the log lines of the first ``epochs`` epochs (and drop a half-written last line)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("epoch"), int) and entry["epoch"] < epochs:
-            kept.append(line + "\n")
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("".join(kept), encoding="utf-8")
-    partial.replace(path)  # a kill while cutting leaves the old log or the new one
 
 
 def warmstart_key(model_name: str, spec: WarmStart, *, seed: int, dtype: str) -> str:
