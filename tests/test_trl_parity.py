@@ -48,6 +48,16 @@ BATCH, TOKENS, VOCAB = 4, 6, 32
 MAX_COMPLETION_LENGTH = 8  # > TOKENS, so dr_grpo's constant differs from the padded width
 TOL = 1e-6
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """TRL's trainer leaves Accelerate's process-wide state behind (bf16 mixed precision among it);
+    later trainers in this process would inherit it, so it is reset after each test."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -24,6 +24,17 @@ from contrail.integrations.trl import (  # noqa: E402
 from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """TRL's trainer leaves Accelerate's process-wide state behind (bf16 mixed precision among it);
+    later trainers in this process would inherit it, so it is reset after each test."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+
 class ParityEnv(MagicWordEnv):
     """Two turns; reward 1 when the second reply has an even number of words (a reward that varies)."""
 
