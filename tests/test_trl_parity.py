@@ -58,7 +58,6 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny random-init Llama and a local word-level tokenizer, saved to disk."""

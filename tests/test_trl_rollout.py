@@ -34,7 +34,6 @@ def fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-
 class ParityEnv(MagicWordEnv):
     """Two turns; reward 1 when the second reply has an even number of words (a reward that varies)."""
 
