@@ -23,7 +23,6 @@ the value on the data as observed. Everything is deterministic from ``seed``.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
@@ -31,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from contrail.results import read_jsonl
 
 __all__ = [
     "CELL_MEASURES",
@@ -90,16 +91,7 @@ class Interval:
 
 def read_trajectories(path: str | Path) -> list[dict[str, Any]]:
     """The records of one ``trajectories/stage-XX.jsonl`` file (``Trajectory.to_record()`` lines), in order."""
-    path = Path(path)
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{number}: not a JSON trajectory ({error})") from None
-    return records
+    return read_jsonl(path, "trajectory")
 
 
 def experience_of(record: dict[str, Any], test: Sequence[str]) -> str | None:

@@ -135,17 +135,7 @@ class RunDir:
     def rows(self) -> list[dict[str, Any]]:
         """The parsed rows of ``results.jsonl``, in stage order (``[]`` when none)."""
         path = self.path / RESULTS
-        if not path.is_file():
-            return []
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as error:
-                        raise ValueError(f"{path}:{number}: not a JSON row ({error})") from None
-        return rows
+        return read_jsonl(path, "row") if path.is_file() else []
 
     def append_row(self, row: dict[str, Any]) -> None:
         """Append ``row`` atomically; its ``stage`` must be the next one (0 first)."""
@@ -223,6 +213,20 @@ def _lookup(config: dict[str, Any], dotted: str) -> Any:
             return "(absent)"
         node = node[part]
     return node
+
+
+def read_jsonl(path: str | os.PathLike, what: str = "record") -> list[Any]:
+    """Every JSON line of ``path`` in order (blank lines skipped); a bad line names the file, line and ``what``."""
+    path = Path(path)
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"{path}:{number}: not a JSON {what} ({error})") from None
+    return records
 
 
 def truncate_log(path: Path, keep: Callable[[dict[str, Any]], bool]) -> None:

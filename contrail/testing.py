@@ -62,6 +62,14 @@ def tiny_model(tokenizer, hidden_size: int = 32, layers: int = 2, seed: int = 0)
     return LlamaForCausalLM(config)
 
 
+def save_tiny_model(path, seed: int = 0) -> str:
+    """Save `tiny_model` and `tiny_tokenizer` to ``path`` (a model directory any loader reads); returns it."""
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer, seed=seed).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 class MagicWordEnv(Env):
     """Win by replying with the magic word; a tiny environment for learning tests.
 

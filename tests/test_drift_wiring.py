@@ -26,7 +26,7 @@ from contrail.grpo.config import GRPOConfig
 from contrail.models import load_model
 from contrail.report import analyse
 from contrail.runner import run
-from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
+from contrail.testing import MagicWordEnv, save_tiny_model, tiny_model, tiny_tokenizer
 
 TRAIN = ["magic:easy", "magic-berry:easy"]
 TEST = [*TRAIN, "magic:hard"]  # magic:hard: never trained, turn limit 1
@@ -42,11 +42,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory):
-    tokenizer = tiny_tokenizer()
-    path = tmp_path_factory.mktemp("model") / "tiny"
-    tiny_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def experiment(base_model, out, **eval_options) -> Experiment:

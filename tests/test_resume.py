@@ -32,7 +32,7 @@ from contrail.grpo.trainer import GRPOTrainer
 from contrail.results import RunDir, RunExistsError
 from contrail.runner import run
 from contrail.strategies import Sequential
-from contrail.testing import tiny_model, tiny_tokenizer
+from contrail.testing import save_tiny_model
 
 
 class Killed(BaseException):
@@ -65,11 +65,7 @@ def fast(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory):
-    tokenizer = tiny_tokenizer()
-    path = tmp_path_factory.mktemp("model") / "tiny"
-    tiny_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
 def experiment(base_model, out, strategy="sequential", beta=0.0) -> Experiment:

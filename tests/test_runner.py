@@ -16,7 +16,7 @@ from contrail.results import RunExistsError
 from contrail.runner import RunResult, run
 from contrail.seeds import derive_seed
 from contrail.strategies import Sequential, Stage
-from contrail.testing import tiny_model, tiny_tokenizer
+from contrail.testing import save_tiny_model
 
 TRAIN = ["magic:easy", "magic-berry:easy"]
 HELD_OUT = "magic:hard"  # never trained: held out
@@ -25,11 +25,7 @@ CORE_METRICS = ("final_performance", "backward_transfer", "forgetting", "forward
 
 @pytest.fixture
 def base_model(tmp_path):
-    tokenizer = tiny_tokenizer()
-    path = tmp_path / "tiny"
-    tiny_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_model(tmp_path / "tiny")
 
 
 def experiment(base_model, out, strategy="sequential", options=None, test=None, steps=2, seed=0) -> Experiment:

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from contrail.experiment import WarmStart
 from contrail.models import load_model
-from contrail.testing import tiny_model, tiny_tokenizer
+from contrail.testing import save_tiny_model, tiny_tokenizer
 from contrail.train import sft
 from contrail.train.demos import demonstrations
 from contrail.train.sft import sft_config, train_sft, warmstart, warmstart_key
@@ -21,11 +21,7 @@ SPEC = WarmStart(envs=["magic:easy"], episodes=4, epochs=1, lr=1e-3, max_episode
 
 @pytest.fixture
 def base_model(tmp_path):
-    tokenizer = tiny_tokenizer()
-    path = tmp_path / "tiny"
-    tiny_model(tokenizer, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_model(tmp_path / "tiny")
 
 
 @pytest.fixture(autouse=True)
