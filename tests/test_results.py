@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from contrail import results
-from contrail.results import RunDir, RunExistsError, config_differences, result_matrix
+from contrail.results import RunDir, RunExistsError, config_differences, read_jsonl, result_matrix
 
 CONFIG = {"name": "t", "out": "runs/t", "seed": 0, "grpo": {"lr": 1e-6, "micro_batch_tokens": 4096},
           "model": {"name": "m", "device": "cpu"}, "stream": {"train": ["a:easy", "b:easy"]}}
@@ -170,3 +170,12 @@ def test_result_matrix(tmp_path):
 def test_config_differences():
     assert config_differences({"a": {"b": 1, "c": 2}}, {"a": {"b": 1, "c": 3}, "d": 0}) == ["a.c", "d"]
     assert config_differences(CONFIG, json.loads(json.dumps(CONFIG))) == []
+
+
+def test_a_corrupt_line_names_its_file_and_line(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"stage": 0}\n\n{"stage": 1\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"log\.jsonl:3: not a JSON row"):
+        read_jsonl(path, "row")
+    path.write_text('{"stage": 0}\n\n{"stage": 1}\n', encoding="utf-8")
+    assert read_jsonl(path, "row") == [{"stage": 0}, {"stage": 1}]
