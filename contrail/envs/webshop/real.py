@@ -52,7 +52,7 @@ from typing import Any
 from contrail.envs.base import EnvOptionError
 from contrail.envs.webshop.catalog import Product
 from contrail.envs.webshop.goals import PRICE_STEPS, Goal
-from contrail.envs.webshop.reward import RewardBreakdown
+from contrail.envs.webshop.reward import RewardBreakdown, type_reward
 from contrail.envs.webshop.search import ProductSearch
 from contrail.envs.webshop.store import Shop
 
@@ -307,15 +307,7 @@ def title_nouns(title: str) -> frozenset[str]:
 
 def real_reward(product: Product, chosen: dict[str, str], goal: Goal) -> RewardBreakdown:
     """WebShop's ``get_reward`` for buying ``product`` with option values ``chosen``."""
-    query_match = product.query == goal.query
-    bought = {part.strip() for part in product.category.split("›")}
-    wanted_path = {part.strip() for part in goal.category.split("›")}
-    category_match = len(bought & wanted_path) >= 2
-    wanted = title_nouns(goal.title)
-    title_score = len(title_nouns(product.title) & wanted) / len(wanted) if wanted else 0.2
-    r_type = 1.0 if (query_match or category_match or title_score > 0.2) else 0.5
-    r_type = 0.1 if title_score < 0.1 else r_type
-    r_type = 0.0 if title_score == 0.0 else r_type
+    r_type, query_match, category_match, title_score = type_reward(product, goal, nouns=title_nouns)
     text = [product.title.lower(), " ".join(product.features).lower(), product.description.lower()]
     attributes = sum(
         1 for attribute in goal.attributes

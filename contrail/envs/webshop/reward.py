@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 from contrail.envs.webshop.catalog import NOUN_LEXICON, Product
 from contrail.envs.webshop.goals import Goal
@@ -64,14 +64,19 @@ class RewardBreakdown:
     total: float
 
 
-def type_reward(product: Product, goal: Goal) -> tuple[float, bool, bool, float]:
-    """``(r_type, query_match, category_match, title_score)`` of buying ``product`` for ``goal``."""
+def type_reward(product: Product, goal: Goal, nouns: Callable[[str], frozenset[str]] | None = None,
+                ) -> tuple[float, bool, bool, float]:
+    """``(r_type, query_match, category_match, title_score)`` of buying ``product`` for ``goal``.
+
+    ``nouns`` reads a title's nouns (default `title_nouns`; real WebShop data brings its own).
+    """
+    nouns = nouns or title_nouns
     query_match = product.query == goal.query
     bought_path = {part.strip() for part in product.category.split("›")}
     goal_path = {part.strip() for part in goal.category.split("›")}
     category_match = len(bought_path & goal_path) >= 2
-    wanted = title_nouns(goal.title)
-    title_score = len(title_nouns(product.title) & wanted) / len(wanted) if wanted else 0.2
+    wanted = nouns(goal.title)
+    title_score = len(nouns(product.title) & wanted) / len(wanted) if wanted else 0.2
     r_type = 1.0
     if not (query_match or category_match or title_score > 0.2):
         r_type = 0.5
