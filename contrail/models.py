@@ -267,3 +267,23 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str | No
         model.to(device)
     model.generation_config.pad_token_id = model.generation_config.pad_token_id or model.config.eos_token_id
     return model, load_tokenizer(name)
+
+
+def forward_accepts(model, keyword: str) -> bool:
+    """Whether ``model``'s forward takes ``keyword`` (e.g. ``logits_to_keep``), looking through wrappers.
+
+    Data-parallel wrappers (``.module``) and PEFT models (``get_base_model()``)
+    pass keywords through ``**kwargs``, so their own signature does not show
+    what the model underneath accepts.
+    """
+    import inspect
+
+    while True:
+        if keyword in inspect.signature(model.forward).parameters:
+            return True
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            return False

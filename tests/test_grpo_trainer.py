@@ -413,3 +413,26 @@ def test_checkpoints_are_tensors_and_json_and_a_crafted_pickle_is_refused(tmp_pa
     assert not marker.exists()
     torch.load(tmp_path / "ckpt" / "trainer_state.pt", weights_only=False)  # the file really runs code
     assert marker.exists()
+
+
+def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work():
+    tokenizer = tiny_tokenizer()
+    collector = grpo(tiny_model(tokenizer, seed=2), tokenizer, GRPOConfig(group_size=4, tasks_per_step=2))
+    trajectories = collector.collect(train_tasks()[:2])
+    for index, trajectory in enumerate(trajectories):
+        trajectory.reward = float(index % 2)  # every group has signal
+    results = []
+    for share in (True, False):
+        config = GRPOConfig(lr=1e-2, group_size=4, tasks_per_step=2, share_prefix=share, ppo_epochs=2)
+        trainer = grpo(tiny_model(tokenizer, seed=3), tokenizer, config)
+        prefixes = []
+        trainer.add_loss_term(lambda model, batch, logprobs: (logprobs.sum() * 0, {})
+                              if prefixes.append(batch.shared_prefix) is None else None)
+        stats = trainer.update(trajectories)
+        weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        results.append((stats, weights, prefixes))
+    (shared, shared_weights, shared_prefixes), (plain, plain_weights, plain_prefixes) = results
+    assert min(shared_prefixes) >= 16 and set(plain_prefixes) == {0}  # the group's prompt was forwarded once
+    assert shared["loss"] == pytest.approx(plain["loss"], abs=1e-5)
+    assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+    torch.testing.assert_close(shared_weights, plain_weights, rtol=0, atol=1e-5)

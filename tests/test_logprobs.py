@@ -178,3 +178,52 @@ def test_sequence_logprobs_padding_does_not_change_values(tiny_llama):
     # first real token has no real predecessor: 0, like position 0 of `alone`
     torch.testing.assert_close(left[:, 3:], alone, rtol=0, atol=1e-5)
     assert torch.all(left[:, :4] == 0)
+
+
+def _shared_prefix_batch(prefix=6, lengths=(13, 10, 12), pad=0, seed=7):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.randint(1, 128, (prefix,), generator=g)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = torch.cat([head, torch.randint(1, 128, (length - prefix,), generator=g)])
+        attention[row, :length] = 1
+    return ids, attention
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_shared_prefix_forward_gives_the_plain_forward_values_and_gradients(tiny_llama, entropy):
+    ids, attention = _shared_prefix_batch()
+    results = []
+    for shared in (0, 6):
+        tiny_llama.zero_grad(set_to_none=True)
+        out = sequence_logprobs(tiny_llama, ids, attention, start=7, return_entropy=entropy, shared_prefix=shared)
+        values = out if not entropy else out[0] + out[1]
+        (values * torch.linspace(0.5, 1.5, ids.shape[1])).sum().backward()
+        results.append((values.detach(), {n: p.grad.clone() for n, p in tiny_llama.named_parameters()}))
+    (plain, plain_grads), (shared, shared_grads) = results
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    tiny_llama.zero_grad(set_to_none=True)
+
+
+def test_shared_prefix_forward_runs_the_prefix_once(tiny_llama):
+    ids, attention = _shared_prefix_batch()
+    fed = []
+    hook = tiny_llama.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        sequence_logprobs(tiny_llama, ids, attention, start=7, shared_prefix=6)
+    finally:
+        hook.remove()
+    assert fed == [(1, 6), (3, ids.shape[1] - 6)]
+
+
+def test_shared_prefix_must_be_shared_and_before_start(tiny_llama):
+    ids, attention = _shared_prefix_batch()
+    with pytest.raises(ValueError, match="not the same"):
+        sequence_logprobs(tiny_llama, ids, attention, start=8, shared_prefix=7)
+    with pytest.raises(ValueError, match="shared_prefix must be in"):
+        sequence_logprobs(tiny_llama, ids, attention, start=6, shared_prefix=6)

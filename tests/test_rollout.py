@@ -231,3 +231,70 @@ def test_cache_is_reused_only_for_extending_prompts(tokenizer, chat, random_poli
     [recomputed] = fresh.generate([follow], params)
     assert kept.ids == recomputed.ids
     assert kept.logprobs == pytest.approx(recomputed.logprobs, abs=1e-4)
+
+
+def _shared_prefix_prompts(chat):
+    instructions = "you play a word game . " * 12  # every prompt opens with these
+    prompts = [chat.prompt_ids([{"role": "user", "content": instructions + ask}])
+               for ask in ("say the word .", "say the word . what is your task ?", "say one word .")]
+    return [prompts[0], prompts[1], prompts[0], prompts[2], prompts[1]]  # groups of identical prompts
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prefix_prefill_samples_what_row_by_row_prefill_samples(tokenizer, chat, random_policy, temperature):
+    model, _ = random_policy
+    prompts = _shared_prefix_prompts(chat)
+    params = SamplingParams(max_new_tokens=6, temperature=temperature)
+    results = []
+    for share in (True, False):
+        backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=3, share_prefix=share)
+        results.append(backend.generate(prompts, params))
+    shared, plain = results
+    assert [g.ids for g in shared] == [g.ids for g in plain]
+    for a, b in zip(shared, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_shared_prefix_prefill_runs_the_shared_part_once(tokenizer, chat, random_policy):
+    model, _ = random_policy
+    prompts = _shared_prefix_prompts(chat)
+    backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id)
+    fed = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: fed.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    try:
+        backend.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0))
+    finally:
+        hook.remove()
+    shared = min(len(p) for p in prompts) - 1
+    while len({tuple(p[:shared]) for p in prompts}) > 1:
+        shared -= 1
+    assert fed[0] == (1, shared)  # the shared instructions, once
+    assert fed[1][0] == 3  # then each distinct prompt's rest, once
+    assert all(shape[0] == len(prompts) for shape in fed[2:])  # and every row decodes
+
+
+def test_prompts_of_two_environments_are_prefilled_in_two_clusters(tokenizer, chat, random_policy):
+    model, _ = random_policy
+    first, second = ("you play a word game . " * 12), ("you are a careful player of games . " * 10)
+    prompts = [chat.prompt_ids([{"role": "user", "content": head + ask}])
+               for head in (first, second) for ask in ("say the word .", "say one word .")]
+    prompts = [prompts[2], prompts[0], prompts[3], prompts[1], prompts[0]]  # interleaved, one repeated
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    fed = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: fed.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    results = []
+    try:
+        for share in (True, False):
+            backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=5, share_prefix=share)
+            fed.clear()
+            results.append((backend.generate(prompts, params), list(fed)))
+    finally:
+        hook.remove()
+    (shared, shared_fed), (plain, _) = results
+    assert [g.ids for g in shared] == [g.ids for g in plain]
+    for a, b in zip(shared, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    # each environment: its instructions once (batch 1), then its two prompts' rest; then all five rows decode
+    assert [shape[0] for shape in shared_fed[:4]] == [1, 2, 1, 2] and shared_fed[4][0] == 5

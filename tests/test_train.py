@@ -14,10 +14,14 @@ from contrail.train.demos import demonstrations
 from contrail.train.trainer import (
     CheckpointError,
     MaskedTokenTrainer,
+    MIN_SHARED_PREFIX,
     NonFiniteError,
+    Sample,
     collate,
     cross_entropy_loss,
+    pack_by_prompt,
     pack_by_tokens,
+    shared_prefix_length,
 )
 
 
@@ -52,7 +56,7 @@ def test_supervised_loss_falls_and_every_parameter_changes(tokenizer):
     samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=8), tokenizer, use_cache=False)
     before = _loss(model, samples, tokenizer)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=3e-3, micro_batch_tokens=64))
+    trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=3e-3, micro_batch_tokens=40))
     for _ in range(15):
         stats = trainer.step(samples, cross_entropy_loss)
     assert stats["micro_batches"] > 1  # the budget forced gradient accumulation
@@ -216,3 +220,19 @@ def test_non_finite_weights_are_never_saved(tokenizer, tmp_path):
     with pytest.raises(NonFiniteError):
         trainer.save_model(tmp_path / "model")
     assert not (tmp_path / "ckpt" / "model").exists() and not (tmp_path / "model").exists()
+
+
+def test_pack_by_prompt_keeps_a_prompt_together_and_counts_its_prefix_once():
+    prompt = lambda k: [k] * 30  # noqa: E731 - three prompts of 30 ids
+    samples = [Sample(prompt(k) + [7] * n, [0] * 30 + [1] * n) for k, n in
+               [(1, 10), (2, 5), (1, 12), (3, 8), (2, 6), (1, 9), (3, 4), (2, 7), (3, 5)]]
+    # a whole group costs 30 + 3 * (longest suffix) <= 30 + 36: it fits in 70, two groups do not
+    groups = pack_by_prompt(samples, budget=70)
+    assert sorted(i for g in groups for i in g) == list(range(len(samples)))
+    assert len(groups) == 3
+    for group in groups:
+        assert len({samples[i].ids[0] for i in group}) == 1
+        assert shared_prefix_length([samples[i] for i in group]) == 29  # the last shared id predicts the first trained
+    assert shared_prefix_length(samples) == 0  # nothing shared across prompts
+    short = [Sample([5] * MIN_SHARED_PREFIX + [1, 2], [0] * MIN_SHARED_PREFIX + [1, 1])] * 2
+    assert shared_prefix_length(short) == 0  # MIN_SHARED_PREFIX - 1 ids: not worth a forward of their own

@@ -11,11 +11,12 @@ weights); ``prepare_update()`` before it lets a backend free memory.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from contrail.models import forward_accepts
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,16 @@ class _Session:
     next_position: torch.Tensor
     known: list[list[int]]
 
+    def select(self, index: torch.Tensor, known: list[list[int]]) -> _Session:
+        """The session of rows ``index`` (repeats allowed: copies), whose ids are ``known``."""
+        self.cache.batch_select_indices(index)
+        return _Session(self.cache, self.attention[index], self.next_position[index], known)
+
+    def repeat(self, row: int, times: int) -> _Session:
+        """The session of ``times`` copies of row ``row``."""
+        index = torch.full((times,), row, dtype=torch.long, device=self.attention.device)
+        return self.select(index, [list(self.known[row]) for _ in range(times)])
+
     def match(self, prompts: list[list[int]]) -> list[int] | None:
         """For each prompt, the row whose cached ids it strictly extends; None if any has none."""
         rows, taken = [], set()
@@ -123,6 +134,13 @@ class _Session:
         return rows
 
 
+# Below this many shared ids, a separate batch-1 forward for the shared prefix costs more than it saves.
+MIN_SHARED_PREFIX = 16
+# Prompts sharing this many leading ids (an environment's instructions, not just the chat template's
+# header) are prefilled as one cluster; every further cluster adds a forward and some padding.
+CLUSTER_PREFIX = 64
+
+
 class HFBackend:
     """Batched sampling from a transformers causal LM with a KV cache kept across turns.
 
@@ -132,13 +150,17 @@ class HFBackend:
     (the next turn of the same episodes), the cache is kept: only the new
     tokens (template closing and observation) are prefilled, so a turn costs
     what it adds, not the whole history. Finished episodes' rows are dropped.
-    Sampling uses its own seeded ``torch.Generator``: the same seed and
+    A fresh batch prefills each distinct prompt once, after the prefix they
+    all share (``share_prefix``: a group's identical prompts, an
+    environment's instructions). Sampling uses its own seeded ``torch.Generator``: the same seed and
     prompts give the same samples.
     """
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], pad_id: int, seed: int = 0,
-                 max_batch_size: int = 64, reuse_cache: bool = True, autocast_bf16: bool = False):
+                 max_batch_size: int = 64, reuse_cache: bool = True, autocast_bf16: bool = False,
+                 share_prefix: bool = True):
         self.model = model
+        self.share_prefix = share_prefix  # prefill shared prompt prefixes once (see `_prefill`)
         self.stop_ids = frozenset(stop_ids)
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
@@ -150,9 +172,8 @@ class HFBackend:
         self.generator.manual_seed(seed)
         self._session: _Session | None = None
         # transformers 5 renamed ``past_key_values`` to ``cache``; accept both.
-        parameters = inspect.signature(model.forward).parameters
-        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
-        self._keep_arg = "logits_to_keep" if "logits_to_keep" in parameters else None
+        self._cache_arg = "cache" if forward_accepts(model, "cache") else "past_key_values"
+        self._keep_arg = "logits_to_keep" if forward_accepts(model, "logits_to_keep") else None
 
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
@@ -222,6 +243,37 @@ class HFBackend:
         return _cache_of(out), out.logits[:, -1]
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
+        """Prefill a fresh batch, computing what prompts share only once.
+
+        A step's episodes come in groups of identical prompts, and every
+        prompt of an environment opens with the same instructions. So the
+        distinct prompts are prefilled once each (their rows copied out
+        afterwards), in clusters of prompts that share a long prefix (one
+        environment's): a cluster's shared prefix is prefilled once, at batch
+        size 1, then each prompt's rest. The clusters' caches are joined
+        left-padded, as a plain batch is. The cache then holds what a
+        row-by-row prefill would (up to floating-point rounding).
+        """
+        distinct, row_of = _distinct(prompts)
+        clusters = _prefix_clusters(distinct) if self.share_prefix else [list(range(len(distinct)))]
+        parts = [self._prefill_cluster([distinct[i] for i in cluster]) for cluster in clusters]
+        session, logits = _joined(parts) if len(parts) > 1 else parts[0]
+        place = {d: position for position, d in enumerate(i for cluster in clusters for i in cluster)}
+        rows = [place[d] for d in row_of]
+        if rows == list(range(len(session.known))):
+            return session, logits
+        index = torch.tensor(rows, device=logits.device)
+        return session.select(index, [list(p) for p in prompts]), logits[index]
+
+    def _prefill_cluster(self, prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
+        """Prefill ``prompts``, their shared prefix once when it is long enough to pay for its own forward."""
+        head = min(_common_prefix_length(prompts), min(len(p) for p in prompts) - 1)  # each keeps a token
+        if not self.share_prefix or len(prompts) < 2 or head < MIN_SHARED_PREFIX:
+            return self._prefill_rows(prompts)
+        session, _ = self._prefill_rows([prompts[0][:head]])
+        return self._extend(session.repeat(0, len(prompts)), list(range(len(prompts))), prompts)
+
+    def _prefill_rows(self, prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
         device = self._device()
         input_ids, attention = _left_padded(prompts, self.pad_id)
         input_ids, attention = input_ids.to(device), attention.to(device)
@@ -278,6 +330,64 @@ class HFBackend:
             keep = end if end is not None else len(ids)
             generations.append(Generation(ids[:keep], lps[:keep], stopped=end is not None))
         return generations
+
+
+def _distinct(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts in first-seen order, and for each prompt the index of its distinct one."""
+    first: dict[tuple[int, ...], int] = {}
+    row_of = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    distinct = [list(key) for key in first]
+    return distinct, row_of
+
+
+def _prefix_clusters(prompts: list[list[int]]) -> list[list[int]]:
+    """Indices of ``prompts`` in clusters whose members share at least `CLUSTER_PREFIX` leading ids.
+
+    Sorted prompts put those sharing a prefix side by side, so one pass
+    groups them (each cluster's members share the prefix of its first).
+    """
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    clusters: list[list[int]] = []
+    for index in order:
+        if clusters and _common_prefix_length([prompts[clusters[-1][0]], prompts[index]]) >= CLUSTER_PREFIX:
+            clusters[-1].append(index)
+        else:
+            clusters.append([index])
+    return clusters
+
+
+def _joined(parts: list[tuple[_Session, torch.Tensor]]) -> tuple[_Session, torch.Tensor]:
+    """One session of several clusters' rows: caches and masks left-padded to one width, then stacked."""
+    sessions = [session for session, _ in parts]
+    width = max(session.attention.shape[1] for session in sessions)
+    cache = sessions[0].cache
+    for number, layer in enumerate(cache.layers):
+        for name in ("keys", "values"):
+            tensors = [getattr(session.cache.layers[number], name) for session in sessions]
+            setattr(layer, name, torch.cat([_left_pad(t, width, dim=-2) for t in tensors]))
+    attention = torch.cat([_left_pad(session.attention, width, dim=-1) for session in sessions])
+    positions = torch.cat([session.next_position for session in sessions])
+    known = [ids for session in sessions for ids in session.known]
+    return _Session(cache, attention, positions, known), torch.cat([logits for _, logits in parts])
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    missing = width - tensor.shape[dim]
+    if missing == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+def _common_prefix_length(sequences: list[list[int]]) -> int:
+    """How many leading ids every sequence shares."""
+    shortest = min(len(s) for s in sequences)
+    for position in range(shortest):
+        token = sequences[0][position]
+        if any(s[position] != token for s in sequences):
+            return position
+    return shortest
 
 
 def _left_padded(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

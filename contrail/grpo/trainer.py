@@ -53,7 +53,7 @@ from contrail.policy import Policy
 from contrail.progress import StepProgress
 from contrail.seeds import check_seed, derive_seed
 from contrail.train.logprobs import sequence_logprobs
-from contrail.train.trainer import Batch, MaskedTokenTrainer, collate, pack_by_tokens
+from contrail.train.trainer import Batch, MaskedTokenTrainer
 
 __all__ = ["GRPOTrainer", "LossTerm", "TaskSource", "TooManyEpisodeErrors", "TrajectoryEditor"]
 
@@ -322,7 +322,7 @@ class GRPOTrainer:
     def _loss(self, model, batch: Batch, normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
         # Logits only from the first generated token on: the prompt's would be discarded.
         logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
-                                              return_entropy=True)
+                                              return_entropy=True, shared_prefix=batch.shared_prefix)
         samples: list[GRPOSample] = batch.samples  # type: ignore[assignment]
         # With a single update the ratio is exactly 1 at this point (as TRL does): no extra forward.
         old = logprobs.detach() if self._single_update else padded([s.old_logprobs for s in samples], batch)
@@ -372,13 +372,12 @@ class GRPOTrainer:
         if not models:
             return
         self.masked_trainer.model.eval()
-        pad = self.tokenizer.pad_token_id
-        for group in pack_by_tokens([len(s.ids) for s in samples], self.config.micro_batch_tokens):
-            batch = collate([samples[i] for i in group], pad, self.accelerator.device)
+        for group in self.masked_trainer.micro_batches(samples):
+            batch = self.masked_trainer.collate([samples[i] for i in group])
             for field, model in models:
                 with self.masked_trainer.autocast(), self._reference_context(field):
-                    logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask,
-                                                 start=batch.start).float().cpu()
+                    logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
+                                                 shared_prefix=batch.shared_prefix).float().cpu()
                 for row, index in enumerate(group):
                     setattr(samples[index], field, logprobs[row, : len(samples[index].ids)].clone())
 

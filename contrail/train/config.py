@@ -32,6 +32,8 @@ class TrainConfig:
     micro_batch_tokens: int = 4096
     precision: Precision = "fp32"
     gradient_checkpointing: bool = False
+    # Forward the ids a micro-batch's rows share (a GRPO group's prompt) once; exact up to rounding.
+    share_prefix: bool = True
     lora: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
@@ -48,6 +50,7 @@ class TrainConfig:
         check_int("micro_batch_tokens", self.micro_batch_tokens, low=2)
         check_choice("precision", self.precision, PRECISIONS)
         check_bool("gradient_checkpointing", self.gradient_checkpointing)
+        check_bool("share_prefix", self.share_prefix)
         check_bool("lora", self.lora)
         check_int("lora_r", self.lora_r, low=1)
         check_number("lora_alpha", self.lora_alpha, low=0.0, low_open=True)

@@ -15,9 +15,9 @@ chunk, i.e. the very full-vocabulary tensor this module exists to avoid.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
+
+from contrail.models import forward_accepts
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "selective_logprobs", "sequence_logprobs", "token_entropy"]
 
@@ -85,6 +85,7 @@ def sequence_logprobs(
     start: int | None = None,
     return_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    shared_prefix: int = 0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of every token of ``input_ids`` under a causal LM, one forward pass.
 
@@ -110,6 +111,15 @@ def sequence_logprobs(
         return_entropy: also return, at position t, the entropy of the
             distribution that token t was drawn from (same alignment).
         chunk_size: rows per chunk for the log-softmax.
+        shared_prefix: ``P > 0`` when every row's first ``P`` ids are the same
+            real tokens (a GRPO group's prompt, an environment's
+            instructions) and ``start > P``: the prefix is then forwarded
+            once, at batch size 1, and its keys and values are repeated for
+            the rows' own tokens. The result is the same (up to
+            floating-point rounding) and gradients flow through the shared
+            forward; it saves ``(batch - 1) * P`` tokens of forward and
+            backward. Needs a model that returns its KV cache in training
+            (not gradient checkpointing) and rows padded only on the right.
 
     Returns:
         ``logprobs`` ``(batch, L)`` fp32, or ``(logprobs, entropies)``.
@@ -128,18 +138,13 @@ def sequence_logprobs(
     if not 1 <= start <= length - 1:
         raise ValueError(f"start must be in [0, {length - 1}] for length {length}, got {start}")
 
-    # Same position ids as generation with left padding (cumsum of the mask).
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    if _right_padded(attention_mask):
-        # Causal attention already keeps real tokens from seeing trailing pads, so the
-        # mask can go: attention then takes its fused causal kernel instead of the
-        # explicit-mask path that stores a (length x length) matrix per layer.
-        del kwargs["attention_mask"]
     keep = length - start + 1  # logits at positions start-1 .. L-1; the last predicts nothing
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kwargs["logits_to_keep"] = keep
-    logits = model(**kwargs).logits[:, -keep:-1]  # (batch, L - start, vocab) predicting tokens start..L-1
+    if shared_prefix:
+        _check_shared_prefix(input_ids, attention_mask, shared_prefix, start)
+        logits = _shared_prefix_logits(model, input_ids, shared_prefix, keep)
+    else:
+        logits = _logits(model, input_ids, attention_mask, keep)
+    logits = logits[:, -keep:-1]  # (batch, L - start, vocab) predicting tokens start..L-1
 
     targets = input_ids[:, start:]
     # A token counts only if both it and the token predicting it are real.
@@ -150,6 +155,50 @@ def sequence_logprobs(
         return logprobs
     entropies = _place(token_entropy(logits, chunk_size), valid, start, length)
     return logprobs, entropies
+
+
+def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> torch.Tensor:
+    """The last ``keep`` positions' logits of one plain forward."""
+    # Same position ids as generation with left padding (cumsum of the mask).
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    if _right_padded(attention_mask):
+        # Causal attention already keeps real tokens from seeing trailing pads, so the
+        # mask can go: attention then takes its fused causal kernel instead of the
+        # explicit-mask path that stores a (length x length) matrix per layer.
+        del kwargs["attention_mask"]
+    return model(**_keep_logits(model, kwargs, keep)).logits
+
+
+def _shared_prefix_logits(model, input_ids: torch.Tensor, prefix: int, keep: int) -> torch.Tensor:
+    """The last ``keep`` positions' logits, the rows' shared first ``prefix`` ids forwarded once.
+
+    Rows are right-padded, so causal attention alone keeps real tokens from
+    seeing pads (as in `_logits`): no mask is needed past the prefix either.
+    """
+    batch, length = input_ids.shape
+    head = model(**_keep_logits(model, {"input_ids": input_ids[:1, :prefix], "use_cache": True}, 1))
+    cache = head.cache if getattr(head, "cache", None) is not None else head.past_key_values
+    cache.batch_repeat_interleave(batch)  # the prefix's keys and values for every row (gradients sum back)
+    positions = torch.arange(prefix, length, device=input_ids.device).expand(batch, -1)
+    # transformers 5 renamed ``past_key_values`` to ``cache``; accept both.
+    cache_arg = "cache" if forward_accepts(model, "cache") else "past_key_values"
+    kwargs = {"input_ids": input_ids[:, prefix:], "position_ids": positions, cache_arg: cache, "use_cache": True}
+    return model(**_keep_logits(model, kwargs, keep)).logits
+
+
+def _keep_logits(model, kwargs: dict, keep: int) -> dict:
+    """``kwargs`` asking for only the last ``keep`` positions' logits, when the model can."""
+    return {**kwargs, "logits_to_keep": keep} if forward_accepts(model, "logits_to_keep") else kwargs
+
+
+def _check_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor, prefix: int, start: int) -> None:
+    if not 1 <= prefix < start:
+        raise ValueError(f"shared_prefix must be in [1, start={start}), got {prefix}")
+    if not bool((input_ids[:, :prefix] == input_ids[:1, :prefix]).all()) or not bool(attention_mask[:, :prefix].all()):
+        raise ValueError(f"shared_prefix={prefix}: the rows' first {prefix} ids are not the same real tokens")
+    if not _right_padded(attention_mask):
+        raise ValueError("shared_prefix needs rows padded only on the right")
 
 
 def _right_padded(attention_mask: torch.Tensor) -> bool:

@@ -79,6 +79,7 @@ class Batch:
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     samples: list[Sample]
+    shared_prefix: int = 0  # leading ids every row shares, forwarded once (``sequence_logprobs(shared_prefix=)``)
 
     @property
     def start(self) -> int:
@@ -114,7 +115,72 @@ def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
     return groups
 
 
-def collate(samples: list[Sample], pad_id: int, device: torch.device) -> Batch:
+# Below this many shared ids, a separate batch-1 forward of the shared prefix costs more than it saves.
+MIN_SHARED_PREFIX = 16
+
+
+def shared_prefix_length(samples: list[Sample]) -> int:
+    """How many leading ids all ``samples`` share before the first trained token (0 below `MIN_SHARED_PREFIX`).
+
+    The last shared id is left out: the first trained token's log-prob comes
+    from the logits at the position before it, which must be in the rows'
+    own forward.
+    """
+    if len(samples) < 2:
+        return 0
+    first = samples[0].ids
+    shared = min(_first_trained(s) for s in samples) - 1
+    for sample in samples[1:]:
+        shared = _common_length(first, sample.ids, shared)
+    return shared if shared >= MIN_SHARED_PREFIX else 0
+
+
+def _first_trained(sample: Sample) -> int:
+    return next((i for i, m in enumerate(sample.mask) if m), len(sample.mask))
+
+
+def _common_length(a: list[int], b: list[int], limit: int) -> int:
+    for position in range(min(limit, len(a), len(b))):
+        if a[position] != b[position]:
+            return position
+    return max(0, min(limit, len(a), len(b)))
+
+
+def pack_by_prompt(samples: list[Sample], budget: int) -> list[list[int]]:
+    """Micro-batches that keep samples with the same prompt together, within ``budget`` forwarded tokens.
+
+    Samples are ordered by their prompt (the ids before their first trained
+    token: a GRPO group's episodes share one; an environment's prompts share
+    its instructions), then by length, and packed in that order. A
+    micro-batch's cost counts its shared prefix once
+    (`shared_prefix_length`), so memory stays bounded as with
+    `pack_by_tokens`.
+    """
+    prompts = [tuple(s.ids[:_first_trained(s)]) for s in samples]
+    order = sorted(range(len(samples)), key=lambda i: (prompts[i], len(samples[i].ids)))
+    groups: list[list[int]] = []
+    current: list[int] = []
+    shared = width = 0  # the current micro-batch's shared ids (before the MIN_SHARED_PREFIX cut) and width
+    for index in order:
+        sample = samples[index]
+        if current:
+            first = samples[current[0]]
+            grown_shared = _common_length(first.ids, sample.ids, min(shared, _first_trained(sample) - 1))
+            grown_width = max(width, len(sample.ids))
+            kept = grown_shared if grown_shared >= MIN_SHARED_PREFIX else 0
+            if kept + (len(current) + 1) * (grown_width - kept) <= budget:
+                current.append(index)
+                shared, width = grown_shared, grown_width
+                continue
+            groups.append(current)
+        current, shared, width = [index], _first_trained(sample) - 1, len(sample.ids)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def collate(samples: list[Sample], pad_id: int, device: torch.device, share_prefix: bool = False) -> Batch:
+    """Right-padded tensors of ``samples``; with ``share_prefix``, the rows' shared prefix is marked."""
     width = max(len(s.ids) for s in samples)
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(samples), width), dtype=torch.long)
@@ -124,7 +190,8 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device) -> Batch:
         input_ids[row, :n] = torch.tensor(sample.ids)
         attention[row, :n] = 1
         loss_mask[row, :n] = torch.tensor(sample.mask, dtype=torch.float32)
-    return Batch(input_ids.to(device), attention.to(device), loss_mask.to(device), samples)
+    shared = shared_prefix_length(samples) if share_prefix else 0
+    return Batch(input_ids.to(device), attention.to(device), loss_mask.to(device), samples, shared_prefix=shared)
 
 
 def _apply_lora(model, config: TrainConfig):
@@ -214,11 +281,11 @@ class MaskedTokenTrainer:
         """Forward and backward over the micro-batches; gradients add up to the batch's."""
         # DDP averages gradients over processes; undo that so they sum, as in one process.
         scale = float(self.accelerator.num_processes)
-        groups = pack_by_tokens([len(s.ids) for s in samples], self.config.micro_batch_tokens)
+        groups = self.micro_batches(samples)
         self.model.train()
         totals: dict[str, float] = {"loss": 0.0}
         for number, group in enumerate(groups):
-            batch = collate([samples[i] for i in group], self.tokenizer.pad_token_id, self.accelerator.device)
+            batch = self.collate([samples[i] for i in group])
             last = number == len(groups) - 1
             with self._sync_gradients(last), self.autocast():
                 loss, stats = loss_fn(self.model, batch, normalizer)
@@ -227,6 +294,28 @@ class MaskedTokenTrainer:
             for key, value in stats.items():
                 totals[key] = totals.get(key, 0.0) + float(value) * len(group) / len(samples)
         return totals, len(groups)
+
+    @property
+    def share_prefix(self) -> bool:
+        """Whether micro-batches forward their rows' shared prefix once (`sequence_logprobs(shared_prefix=)`).
+
+        ``config.share_prefix``, in one process without gradient checkpointing: the shared
+        forward calls the model twice before one backward, which
+        data-parallel wrappers do not allow, and checkpointed models return
+        no KV cache in training.
+        """
+        config = self.config
+        return config.share_prefix and self.accelerator.num_processes == 1 and not config.gradient_checkpointing
+
+    def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
+        """``samples``' indices packed into micro-batches of at most ``micro_batch_tokens`` forwarded tokens."""
+        if self.share_prefix:
+            return pack_by_prompt(samples, self.config.micro_batch_tokens)
+        return pack_by_tokens([len(s.ids) for s in samples], self.config.micro_batch_tokens)
+
+    def collate(self, samples: list[Sample]) -> Batch:
+        """One micro-batch on the training device (its shared prefix marked when `share_prefix`)."""
+        return collate(samples, self.tokenizer.pad_token_id, self.accelerator.device, share_prefix=self.share_prefix)
 
     def _all_finite(self, loss: float, grad_norm: float) -> bool:
         """Whether the loss and gradient are finite on every process (all skip together)."""
@@ -451,7 +540,8 @@ def cross_entropy_loss(model, batch: Batch, normalizer: float) -> tuple[torch.Te
     """Supervised loss: summed negative log-likelihood of masked tokens / ``normalizer``."""
     from contrail.train.logprobs import sequence_logprobs
 
-    logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask)
+    logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
+                                 shared_prefix=batch.shared_prefix)
     mask = batch.loss_mask
     nll = -(torch.where(mask > 0, logprobs, torch.zeros_like(logprobs))).sum()
     tokens = float(mask.sum())
@@ -507,5 +597,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 __all__ = ["STATE_JSON", "STATE_TENSORS", "Batch", "CheckpointError", "MaskedTokenTrainer", "NonFiniteError",
-           "Sample", "collate", "cross_entropy_loss", "load_tensors_file", "make_accelerator", "pack_by_tokens",
+           "Sample", "collate", "cross_entropy_loss", "load_tensors_file", "make_accelerator", "pack_by_prompt",
+           "pack_by_tokens", "shared_prefix_length",
            "process_state"]
