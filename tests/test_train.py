@@ -12,9 +12,9 @@ from contrail.testing import tiny_model, tiny_tokenizer
 from contrail.train.config import TrainConfig
 from contrail.train.demos import demonstrations
 from contrail.train.trainer import (
+    MIN_SHARED_PREFIX,
     CheckpointError,
     MaskedTokenTrainer,
-    MIN_SHARED_PREFIX,
     NonFiniteError,
     Sample,
     collate,
