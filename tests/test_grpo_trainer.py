@@ -425,9 +425,13 @@ def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work():
     for share in (True, False):
         config = GRPOConfig(lr=1e-2, group_size=4, tasks_per_step=2, share_prefix=share, ppo_epochs=2)
         trainer = grpo(tiny_model(tokenizer, seed=3), tokenizer, config)
-        prefixes = []
-        trainer.add_loss_term(lambda model, batch, logprobs: (logprobs.sum() * 0, {})
-                              if prefixes.append(batch.shared_prefix) is None else None)
+        prefixes: list[int] = []
+
+        def record_prefix(model, batch, logprobs, seen=prefixes):
+            seen.append(batch.shared_prefix)
+            return logprobs.sum() * 0, {}
+
+        trainer.add_loss_term(record_prefix)
         stats = trainer.update(trajectories)
         weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         results.append((stats, weights, prefixes))
