@@ -21,6 +21,7 @@ from contrail.testing import tiny_model, tiny_tokenizer
 
 ROLLOUT = RolloutConfig(max_new_tokens=3, max_episode_tokens=256)
 STEPS = 3
+SEED = 2  # a rollout seed whose random-model episodes give both stages a reward signal before their last step
 
 
 def stream():
@@ -36,7 +37,7 @@ def make_trainer(the_stream, seed=0, lr=2e-2):
 
 
 @functools.cache
-def run_stages(name, seed=0, **options):
+def run_stages(name, seed=SEED, **options):
     """Train the two-stage stream like the runner; return the trainer, each stage's history and anchors."""
     the_stream = stream()
     strategy = strategies.make(name, steps_per_experience=STEPS, **options)

@@ -54,7 +54,7 @@ def experiment(base_model, out, **eval_options) -> Experiment:
         rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
         grpo=GRPOConfig(lr=3e-2, group_size=8, tasks_per_step=2),
         eval=EvalSpec(k=2, **eval_options),
-        seed=0,
+        seed=1,  # a seed whose random-model rollouts give each stage a reward signal (an update)
         out=str(out),
     )
 

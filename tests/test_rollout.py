@@ -298,3 +298,16 @@ def test_prompts_of_two_environments_are_prefilled_in_two_clusters(tokenizer, ch
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
     # each environment: its instructions once (batch 1), then its two prompts' rest; then all five rows decode
     assert [shape[0] for shape in shared_fed[:4]] == [1, 2, 1, 2] and shared_fed[4][0] == 5
+
+
+def test_sampling_draws_ids_with_their_probabilities_and_never_an_impossible_one():
+    from contrail.agent.backend import sample_next
+
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.0, 0.3])
+    logits = probs.log().expand(20_000, -1)  # -inf where the probability is 0
+    generator = torch.Generator().manual_seed(0)
+    ids, logprobs = sample_next(logits, SamplingParams(temperature=1.0), generator)
+    counts = torch.bincount(ids, minlength=5).float() / len(ids)
+    assert counts[1] == 0 and counts[3] == 0
+    torch.testing.assert_close(counts, probs, rtol=0, atol=0.015)  # ~4 standard errors at 20,000 draws
+    torch.testing.assert_close(logprobs, probs.log()[ids])

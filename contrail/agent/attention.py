@@ -1,0 +1,78 @@
+"""Decode-step attention for CPUs: a few query positions against a long KV cache.
+
+PyTorch's CPU ``scaled_dot_product_attention`` kernel is built for long
+queries; for a decode step (one query per row against hundreds of cached
+keys) it is several times slower than the two matrix products and a softmax
+it stands for (measured on SmolLM2-135M's shapes, batch 64, 450 keys, bf16:
+14.5 ms against 2.4 ms per layer), which made it most of a CPU decode step.
+`decode_attention` computes those few-query cases directly, grouped-query
+heads included, and hands every other call (prefill, training) to
+transformers' own SDPA path unchanged.
+
+The HF backend switches a CPU model to it while it generates
+(`decoding_attention`); nothing is changed for training or on GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+IMPLEMENTATION = "contrail_decode"
+MAX_DIRECT_QUERIES = 4  # beyond a few query positions SDPA's kernel is faster again
+
+
+def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """Attention in transformers' interface: ``query (B, H, q, D)``, ``key``/``value (B, Hkv, L, D)``.
+
+    Returns ``(output (B, q, H, D), None)`` as ``sdpa_attention_forward`` does.
+    ``attention_mask`` is SDPA's: boolean ``(B, 1, q, L)``, True where a
+    query may attend (or an additive float mask, or None).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch, heads, queries, dim = query.shape
+    if queries > MAX_DIRECT_QUERIES or dropout > 0 or module.training or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads  # query head h reads key/value head h // groups (transformers' repeat_kv)
+    scale = scaling if scaling is not None else dim ** -0.5
+    grouped = query.reshape(batch, kv_heads, groups * queries, dim)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).view(batch, kv_heads, groups, queries, length)
+    scores = scores.float() * scale
+    if attention_mask is not None:
+        mask = attention_mask[:, :, -queries:, -length:].unsqueeze(2)  # (B, 1, 1, q, L): the same for every head
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = scores.softmax(-1).to(value.dtype).view(batch, kv_heads, groups * queries, length)
+    output = torch.matmul(weights, value).view(batch, heads, queries, dim)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    """Register `decode_attention` (and SDPA's mask format) with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(IMPLEMENTATION, decode_attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+    return IMPLEMENTATION
+
+
+@contextlib.contextmanager
+def decoding_attention(model) -> Iterator[None]:
+    """Within the block, a CPU model using SDPA attends with `decode_attention`; anything else is left alone."""
+    config = getattr(model, "config", None)
+    device = next(model.parameters()).device
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or device.type != "cpu":
+        yield
+        return
+    config._attn_implementation = register()
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
