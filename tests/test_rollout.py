@@ -311,3 +311,30 @@ def test_sampling_draws_ids_with_their_probabilities_and_never_an_impossible_one
     assert counts[1] == 0 and counts[3] == 0
     torch.testing.assert_close(counts, probs, rtol=0, atol=0.015)  # ~4 standard errors at 20,000 draws
     torch.testing.assert_close(logprobs, probs.log()[ids])
+
+
+def test_new_parts_of_very_different_lengths_are_prefilled_in_buckets_with_the_same_samples(
+        tokenizer, chat, random_policy):
+    from contrail.agent.backend import _length_buckets
+
+    assert _length_buckets([5, 6, 5, 7]) == [[0, 1, 2, 3]]  # similar lengths: one batch
+    assert sorted(map(sorted, _length_buckets([3, 200, 4, 190, 5]))) == [[0, 2, 4], [1, 3]]
+    model, _ = random_policy
+    config = RolloutConfig(max_new_tokens=4, max_episode_tokens=512, temperature=1.0)
+    tasks = easy_tasks(4)
+
+    class Verbose(MagicWordEnv):  # answers at length, so its rows' next turns are much longer than the others'
+        def on_step(self, text):
+            step = super().on_step(text)
+            return step if step.done else Step(observation="that is not it . " * 12, valid=step.valid)
+
+    make = lambda task: Verbose() if task == tasks[0] else MagicWordEnv()  # noqa: E731
+    results = []
+    for share in (True, False):
+        backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=11, share_prefix=share)
+        results.append(rollout(backend, chat, tasks, make, config))
+    bucketed, plain = results
+    assert max(t.turns for t in bucketed) > 1
+    assert [t.ids for t in bucketed] == [t.ids for t in plain]
+    for a, b in zip(bucketed, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)

@@ -11,6 +11,7 @@ weights); ``prepare_update()`` before it lets a backend free memory.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -131,6 +132,15 @@ class _Session:
         self.cache.batch_select_indices(index)
         return _Session(self.cache, self.attention[index], self.next_position[index], known)
 
+    def take(self, index: torch.Tensor) -> _Session:
+        """A new session of rows ``index``, leaving this one as it is (its cache is copied, not changed)."""
+        cache = copy.copy(self.cache)
+        cache.layers = [copy.copy(layer) for layer in self.cache.layers]
+        for layer in cache.layers:
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        return _Session(cache, self.attention[index], self.next_position[index],
+                        [list(self.known[i]) for i in index.tolist()])
+
     def repeat(self, row: int, times: int) -> _Session:
         """The session of ``times`` copies of row ``row``."""
         index = torch.full((times,), row, dtype=torch.long, device=self.attention.device)
@@ -154,6 +164,8 @@ MIN_SHARED_PREFIX = 16
 # Prompts sharing this many leading ids (an environment's instructions, not just the chat template's
 # header) are prefilled as one cluster; every further cluster adds a forward and some padding.
 CLUSTER_PREFIX = 64
+# What one more prefill bucket costs, in padded tokens (see `_length_buckets`).
+BUCKET_OVERHEAD = 32
 
 
 class HFBackend:
@@ -298,7 +310,28 @@ class HFBackend:
         return _Session(cache, attention, lengths, [list(p) for p in prompts]), logits
 
     def _extend(self, session: _Session, rows: list[int], prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
-        """Keep the matched rows of the cache and prefill only each prompt's new tokens."""
+        """Keep the matched rows of the cache and prefill only each prompt's new tokens.
+
+        New parts of very different lengths (a one-line observation beside a
+        room description) are prefilled in a few buckets of similar lengths,
+        each from its rows of the cache, so short rows are not padded to the
+        longest; the buckets' sessions are joined back in row order.
+        """
+        new_lengths = [len(p) - len(session.known[r]) for p, r in zip(prompts, rows)]
+        buckets = _length_buckets(new_lengths) if self.share_prefix else [list(range(len(prompts)))]
+        if len(buckets) == 1:
+            return self._extend_rows(session, rows, prompts)
+        device = self._device()
+        parts = [self._extend_rows(session.take(torch.tensor([rows[i] for i in bucket], device=device)),
+                                   list(range(len(bucket))), [prompts[i] for i in bucket]) for bucket in buckets]
+        joined, logits = _joined(parts)
+        place = {i: position for position, i in enumerate(i for bucket in buckets for i in bucket)}
+        index = torch.tensor([place[i] for i in range(len(prompts))], device=device)
+        return joined.select(index, [list(p) for p in prompts]), logits[index]
+
+    def _extend_rows(self, session: _Session, rows: list[int],
+                     prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
+        """`_extend` in one batch: every row's new tokens left-padded to the longest."""
         device = self._device()
         index = torch.tensor(rows, device=device)
         if rows != list(range(len(session.known))):
@@ -369,6 +402,29 @@ def _prefix_clusters(prompts: list[list[int]]) -> list[list[int]]:
         else:
             clusters.append([index])
     return clusters
+
+
+def _length_buckets(lengths: list[int], max_buckets: int = 3, min_saving: float = 0.25) -> list[list[int]]:
+    """Indices of ``lengths`` in at most ``max_buckets`` groups of similar lengths (one group unless that saves).
+
+    Each group is padded to its longest and counted `BUCKET_OVERHEAD` more
+    (a forward and a copy of its rows' cache); a split is taken only when it
+    cuts that total by ``min_saving`` or more.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    ranked = [lengths[i] for i in order]
+    padded = lambda begin, end: (end - begin) * ranked[end - 1] + BUCKET_OVERHEAD  # noqa: E731 - rows begin..end-1
+    n = len(ranked)
+    best = (padded(0, n), [n])
+    for first in range(1, n):
+        if max_buckets >= 2:
+            best = min(best, (padded(0, first) + padded(first, n), [first, n]))
+        for second in range(first + 1, n) if max_buckets >= 3 else ():
+            best = min(best, (padded(0, first) + padded(first, second) + padded(second, n), [first, second, n]))
+    if best[0] > (1 - min_saving) * padded(0, n):
+        return [list(range(n))]
+    bounds = [0, *best[1]]
+    return [order[begin:end] for begin, end in zip(bounds, bounds[1:])]
 
 
 def _joined(parts: list[tuple[_Session, torch.Tensor]]) -> tuple[_Session, torch.Tensor]:
