@@ -38,7 +38,7 @@ import torch
 from contrail.agent.backend import Generation, SamplingParams
 from contrail.seeds import derive_seed
 
-__all__ = ["VLLMBackend", "VLLMConfig", "VLLMNotInstalled", "require_vllm"]
+__all__ = ["VLLMBackend", "VLLMConfig", "VLLMNotInstalled", "require_vllm", "scheduler_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ INSTALL_HINT = ("install it with `pip install contrail[vllm]` on a GPU machine, 
                 "scripts/install_vllm_cpu.sh (its own environment; see docs/vllm.md)")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _CPU_DEFAULT_KV_CACHE_GB = 1.0  # vLLM's CPU default would claim most of the machine's memory
+_DEFAULT_STEP_TOKENS = 4096  # vLLM 0.32's default max_num_batched_tokens for offline engines
 
 
 class VLLMNotInstalled(ValueError):
@@ -135,6 +136,7 @@ class _Engine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs.update(scheduler_settings(current_platform.device_type, max_model_len, max_num_seqs))
         self._directory = tempfile.TemporaryDirectory(prefix="contrail-vllm-")
         _write_config(model, self._directory.name)
         with _preserved_rng():
@@ -169,6 +171,23 @@ class _Engine:
 
 
 _ENGINES: dict[tuple, _Engine] = {}
+
+
+def scheduler_settings(device_type: str, max_model_len: int, max_num_seqs: int) -> dict[str, Any]:
+    """Engine arguments that keep seeded sampling working on ``device_type``.
+
+    With chunked prefill, a step whose new prompt tokens exceed its budget
+    prefills one prompt partially, and vLLM 0.32 then rewinds that request's
+    seeded generator (``set_offset``), which only GPU (Philox) generators
+    support: on CPU the step fails with "CPU Generator does not use offset"
+    (e.g. 64 distinct TextCraft prompts). So on CPU chunked prefill is off and
+    a step takes at least one whole prompt; a batch that does not fit waits
+    for the next step instead of being split. GPUs keep vLLM's defaults.
+    """
+    if device_type != "cpu":
+        return {}
+    budget = max(max_model_len, max_num_seqs, _DEFAULT_STEP_TOKENS)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
 
 
 def _write_config(model, directory: str) -> None:

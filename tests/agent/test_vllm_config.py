@@ -165,3 +165,12 @@ def test_update_syncs_the_backend_after_the_optimizer_step(tokenizer):
     trainer.update(trajectories)
     assert [name for name, _ in calls] == ["prepare", "sync"]
     assert calls[1][1] != calls[0][1], "sync must come after the optimizer changed the weights"
+
+
+def test_cpu_engines_never_split_a_prompt_across_steps():
+    from contrail.agent.vllm import scheduler_settings
+
+    # CPU: no chunked prefill, and a step's budget holds the longest prompt (vLLM refuses less).
+    assert scheduler_settings("cpu", 8192, 64) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
+    assert scheduler_settings("cpu", 256, 64) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
+    assert scheduler_settings("cuda", 8192, 64) == {}  # GPU generators rewind; vLLM's defaults stay

@@ -10,6 +10,8 @@ pytest's process needs no ``__main__`` guard.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -137,3 +139,25 @@ def test_a_second_backend_of_the_model_shares_the_engine_and_resyncs(trainer, to
     # The shared engine now holds the other model's weights: the trainer's backend must notice and reload.
     assert max_gap(trainer.policy.backend.sequence_logprobs(fixed), trainer_logprobs(trainer.model, fixed)) \
         < SYNC_TOLERANCE
+
+
+def test_evaluation_sized_batch_of_long_distinct_seeded_prompts(trainer):
+    """64 distinct seeded prompts whose prefill exceeds one engine step's token budget, in one call.
+
+    With chunked prefill, vLLM 0.32 splits such a batch and rewinds the seeded
+    generators of partially prefilled requests, which CPU generators cannot
+    ("CPU Generator does not use offset"); the backend must build an engine
+    that never splits a prompt.
+    """
+    backend = trainer.policy.backend
+    rng = random.Random(0)
+    vocab = trainer.model.config.vocab_size
+    prompts = [[rng.randrange(4, vocab) for _ in range(200)] for _ in range(64)]
+    budget = backend.engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert sum(map(len, prompts)) > 2 * budget, "the batch must need several engine steps to prefill"
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    backend.reseed(11)
+    first = backend.generate(prompts, params)
+    assert len(first) == 64 and all(1 <= len(g.ids) <= 4 and len(g.logprobs) == len(g.ids) for g in first)
+    backend.reseed(11)
+    assert [g.ids for g in backend.generate(prompts, params)] == [g.ids for g in first]
