@@ -8,7 +8,8 @@ backend reports). Turn ``n + 1`` of an episode is its turn ``n`` plus a few
 ids, so vLLM's prefix cache (``enable_prefix_caching``) prefills only what is
 new; the rollout's bookkeeping (ids, mask, log-probs) is untouched.
 
-Weights. The engine is colocated and in-process, as TRL's colocate mode: it is
+Weights. The engine is colocated and in-process, as TRL's colocate mode (server mode,
+`contrail.agent.vllm_server`, samples with a running ``vllm serve`` instead): it is
 built from the model's config with dummy weights, then every weight comes from
 the Hugging Face model through vLLM's in-place ``reload_weights``. A backend
 re-syncs before generating whenever the model's parameters changed since the
@@ -179,8 +180,7 @@ class _Engine:
         """Copy ``model``'s weights into the engine (waking it first) and drop the prefix cache."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": merged_weights(model)})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -271,10 +271,51 @@ def fingerprint(model) -> tuple[int, tuple[int, ...]]:
     return id(model), tuple(p._version for p in model.parameters())
 
 
-def refuse_lora(model) -> None:
-    """A PEFT model's engine copy would lack its adapter: say so instead of sampling the base model."""
-    if hasattr(model, "peft_config"):
-        raise ValueError("rollout.backend: vllm does not sync LoRA adapters yet; use backend: hf with lora")
+def base_model(model):
+    """The plain transformers model under a PEFT wrapper (``model`` itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "peft_config") else model
+
+
+def refuse_unmergeable(model) -> None:
+    """Adapters `merged_weights` cannot fold into plain weights: say so instead of sampling the wrong model."""
+    for name, config in getattr(model, "peft_config", {}).items():
+        if type(config).__name__ != "LoraConfig" or getattr(config, "use_dora", False):
+            raise ValueError(f"rollout.backend: vllm merges plain LoRA adapters only; adapter {name!r} is "
+                             f"{type(config).__name__}{' with use_dora' if getattr(config, 'use_dora', False) else ''}"
+                             "; use backend: hf")
+
+
+def merged_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s weights under the plain model's names; a LoRA model's with its active adapters merged.
+
+    Merge-on-sync: each adapted layer is sent as ``W + scale * B @ A`` (peft's
+    ``get_delta_weight``), computed beside the model, so the trained base
+    weights are never merged and unmerged in place (which would drift them by
+    rounding on every sync). The engine then needs no LoRA support at all.
+    """
+    if not hasattr(model, "peft_config"):
+        return [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if (hasattr(module, "get_delta_weight") and hasattr(module, "lora_A")
+                and not getattr(module, "merged", False) and not getattr(module, "disable_adapters", False)):
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            if adapters:
+                with torch.no_grad():
+                    deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+    weights = []
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:  # the adapter's own matrices: folded into the deltas above
+            continue
+        plain = name.replace(".base_layer.", ".")
+        tensor = tensor.detach()
+        if plain in deltas:
+            tensor = tensor + deltas.pop(plain).to(tensor.dtype)
+        weights.append((plain, tensor))
+    if deltas:  # an adapted layer whose base weight was not found: the engine would miss the adapter
+        raise RuntimeError(f"LoRA deltas without a base weight: {sorted(deltas)}")
+    return weights
 
 
 def vllm_backend(model, stop_ids, seed: int = 0, config: VLLMConfig = VLLMConfig(), max_model_len: int = 4096,
@@ -298,7 +339,7 @@ class VLLMBackend(SeededRequests):
 
     Args:
         model: the Hugging Face causal LM whose weights the engine samples
-            (not a PEFT model: merge LoRA adapters first).
+            (a LoRA model is synced with its adapters merged, `merged_weights`).
         stop_ids: ids that end a turn (kept, as the HF backend keeps them).
         seed: every request gets its own seed ``derive_seed(seed, "vllm", call, row)``,
             so the same seed, calls and prompts give the same samples.
@@ -311,15 +352,15 @@ class VLLMBackend(SeededRequests):
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], seed: int = 0, config: VLLMConfig = VLLMConfig(),
                  max_model_len: int = 4096, max_batch_size: int = 64):
-        refuse_lora(model)
+        refuse_unmergeable(model)
         super().__init__(seed)
         self.model = model
         self.stop_ids = frozenset(stop_ids)
         self.config = config
         context = config.max_model_len or max_model_len
         if config.max_model_len is None:  # the rollout's budget, within what the model's positions allow
-            context = min(context, getattr(model.config, "max_position_embeddings", None) or context)
-        self.engine = _engine_for(model, config, context, max_batch_size)
+            context = min(context, getattr(base_model(model).config, "max_position_embeddings", None) or context)
+        self.engine = _engine_for(base_model(model), config, context, max_batch_size)
 
     # --- weights -----------------------------------------------------------------------------
     def sync_weights(self, model=None) -> None:

@@ -40,7 +40,15 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from contrail.agent.backend import Generation, SamplingParams
-from contrail.agent.vllm import SeededRequests, VLLMConfig, fingerprint, refuse_lora, scheduler_settings
+from contrail.agent.vllm import (
+    SeededRequests,
+    VLLMConfig,
+    base_model,
+    fingerprint,
+    merged_weights,
+    refuse_unmergeable,
+    scheduler_settings,
+)
 
 __all__ = ["EXTENSION", "ServerError", "VLLMServerBackend", "VLLMServerMisconfigured", "serve_command"]
 
@@ -123,7 +131,7 @@ class VLLMServerBackend(SeededRequests):
 
     Args:
         model: the Hugging Face causal LM whose weights the server samples
-            (its shape must be the served model's; not a PEFT model).
+            (its shape must be the served model's; a LoRA model is pushed merged).
         stop_ids: ids that end a turn (kept, as the HF backend keeps them).
         seed: request ``r`` of call ``c`` is seeded ``derive_seed(seed, "vllm", c, r)``.
         config: the ``rollout.vllm`` section (``mode: server``, ``url``, ``sync_dir``).
@@ -136,7 +144,7 @@ class VLLMServerBackend(SeededRequests):
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], seed: int = 0, config: VLLMConfig | None = None,
                  max_model_len: int = 4096, max_batch_size: int = 64):
-        refuse_lora(model)
+        refuse_unmergeable(model)
         super().__init__(seed)
         if config is None or config.mode != "server":
             raise ValueError("VLLMServerBackend needs a VLLMConfig with mode: server and its url")
@@ -149,7 +157,8 @@ class VLLMServerBackend(SeededRequests):
         self.sync_dir = config.sync_dir or self._owned_dir.name
         self._owner: tuple[int, tuple[int, ...]] | None = None  # what the server holds, as far as this backend knows
         self._pushes = 0
-        needed = min(max_model_len, getattr(model.config, "max_position_embeddings", None) or max_model_len)
+        positions = getattr(base_model(model).config, "max_position_embeddings", None)
+        needed = min(max_model_len, positions or max_model_len)
         self.server = self._check_server(needed)
 
     # --- the server ----------------------------------------------------------------------
@@ -246,7 +255,7 @@ def _misconfiguration(url: str, error: str) -> str:
 
 
 def _save_weights(model, path: str) -> None:
-    """Every entry of ``model``'s state dict to a safetensors file (tensors only: loading it runs no code).
+    """``model``'s weights (LoRA merged, `merged_weights`) to a safetensors file (tensors only: loading runs no code).
 
     Tied weights are written once per name: vLLM's in-place reload expects
     every parameter (a tied ``lm_head.weight`` included), and safetensors
@@ -256,8 +265,7 @@ def _save_weights(model, path: str) -> None:
 
     seen: set[int] = set()
     tensors = {}
-    for name, tensor in model.state_dict().items():
-        tensor = tensor.detach()
+    for name, tensor in merged_weights(model):
         if tensor.data_ptr() in seen:
             tensor = tensor.clone()
         seen.add(tensor.data_ptr())

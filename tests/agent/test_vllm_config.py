@@ -293,3 +293,49 @@ def test_serve_command_has_what_the_backend_checks():
         assert flag in text
     gpu = " ".join(serve_command("/models/m", max_model_len=8192, device_type="cuda"))
     assert "--gpu-memory-utilization 0.3" in gpu and "chunked" not in gpu and "--load-format" not in gpu
+
+
+# --- LoRA: merge-on-sync ----------------------------------------------------------------------
+
+
+def _lora_model(tokenizer):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model(tokenizer, hidden_size=64, seed=2),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                lora_dropout=0.0))
+    with torch.no_grad():  # B starts at zero (the adapter a no-op): give it weight, so a missed merge shows
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    return model
+
+
+def test_merged_weights_are_peft_s_own_merge_under_the_plain_names(tokenizer):
+    import copy
+
+    from contrail.agent.vllm import merged_weights
+
+    model = _lora_model(tokenizer)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    merged = dict(merged_weights(model))
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6)
+    base_q = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    assert (merged["model.layers.0.self_attn.q_proj.weight"] - base_q).abs().max() > 1e-3  # the adapter is in it
+    for name, tensor in model.state_dict().items():  # computed beside the model: nothing merged in place
+        assert torch.equal(tensor, before[name])
+    with model.disable_adapter():  # a disabled adapter is not merged
+        torch.testing.assert_close(dict(merged_weights(model))["model.layers.0.self_attn.q_proj.weight"], base_q)
+
+
+def test_dora_is_refused_in_one_line(tokenizer):
+    peft = pytest.importorskip("peft")
+    from contrail.agent.vllm import refuse_unmergeable
+
+    model = peft.get_peft_model(tiny_model(tokenizer, hidden_size=64),
+                                peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="merges plain LoRA adapters only; adapter 'default' is LoraConfig with "
+                                         "use_dora"):
+        refuse_unmergeable(model)

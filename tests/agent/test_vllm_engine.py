@@ -161,3 +161,31 @@ def test_evaluation_sized_batch_of_long_distinct_seeded_prompts(trainer):
     assert len(first) == 64 and all(1 <= len(g.ids) <= 4 and len(g.logprobs) == len(g.ids) for g in first)
     backend.reseed(11)
     assert [g.ids for g in backend.generate(prompts, params)] == [g.ids for g in first]
+
+
+def test_lora_model_is_sampled_with_its_adapter_merged(trainer, tokenizer):
+    """Merge-on-sync: the engine holds W + BA; an update of the adapter alone reaches it."""
+    peft = pytest.importorskip("peft")
+    from contrail.policy import Policy
+
+    model = peft.get_peft_model(tiny_model(tokenizer, hidden_size=256, layers=2, seed=2),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                lora_dropout=0.0))
+    lora = [p for name, p in model.named_parameters() if "lora_" in name]
+    with torch.no_grad():  # B starts at zero (the adapter a no-op): give it weight, so a missed merge shows
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    backend = Policy.from_model(model, tokenizer, rollout=ROLLOUT).backend
+    assert backend.engine is trainer.policy.backend.engine  # keyed by the base model's shape
+    fixed = trainer.collect(tasks(1))[0].ids
+    engine = backend.sequence_logprobs(fixed)
+    assert max_gap(engine, trainer_logprobs(model, fixed)) < SYNC_TOLERANCE
+    with model.disable_adapter():
+        assert max_gap(engine, trainer_logprobs(model, fixed)) > 100 * SYNC_TOLERANCE
+    with torch.no_grad():  # a step that moves only the adapter (an in-place update, as an optimizer's)
+        for parameter in lora:
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    moved = backend.sequence_logprobs(fixed)
+    assert max_gap(moved, trainer_logprobs(model, fixed)) < SYNC_TOLERANCE
+    assert max_gap(moved, engine) > 100 * SYNC_TOLERANCE
