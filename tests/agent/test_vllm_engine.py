@@ -189,3 +189,20 @@ def test_lora_model_is_sampled_with_its_adapter_merged(trainer, tokenizer):
     moved = backend.sequence_logprobs(fixed)
     assert max_gap(moved, trainer_logprobs(model, fixed)) < SYNC_TOLERANCE
     assert max_gap(moved, engine) > 100 * SYNC_TOLERANCE
+
+
+def test_grpo_with_lora_samples_the_updated_adapter(tokenizer):
+    pytest.importorskip("peft")
+    config = GRPOConfig(lr=1e-2, group_size=4, tasks_per_step=2, warmup_steps=0, lora=True, lora_r=4)
+    lora_trainer = GRPOTrainer(tiny_model(tokenizer, hidden_size=256, layers=2, seed=0), tokenizer, config, ROLLOUT,
+                               make_env, seed=0, show_progress=False)
+    backend = lora_trainer.policy.backend
+    trajectories = lora_trainer.collect(tasks(2))
+    fixed = trajectories[0].ids
+    before = backend.sequence_logprobs(fixed)
+    for index, trajectory in enumerate(trajectories):
+        trajectory.reward = float(index % 2)
+    assert "skipped_update" not in lora_trainer.update(trajectories)
+    after = backend.sequence_logprobs(fixed)
+    assert max_gap(after, trainer_logprobs(lora_trainer.model, fixed)) < SYNC_TOLERANCE
+    assert max_gap(after, before) > 100 * SYNC_TOLERANCE
