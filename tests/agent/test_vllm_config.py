@@ -339,3 +339,21 @@ def test_dora_is_refused_in_one_line(tokenizer):
     with pytest.raises(ValueError, match="merges plain LoRA adapters only; adapter 'default' is LoraConfig with "
                                          "use_dora"):
         refuse_unmergeable(model)
+
+
+def test_eval_vllm_url_without_a_server_is_one_line(tmp_path, tokenizer, capsys):
+    import socket
+
+    from contrail.cli import main
+
+    tiny_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = ["eval", "--model", str(tmp_path / "model"), "--env", "textcraft:easy", "--tasks", "1",
+              "--out", str(tmp_path / "out")]
+    assert main(common + ["--backend", "vllm", "--vllm-url", f"http://127.0.0.1:{port}"]) == 2
+    assert f"--vllm-url: rollout.vllm.url: no vLLM server answers at http://127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(common + ["--vllm-url", f"http://127.0.0.1:{port}"]) == 2
+    assert "--vllm-url needs --backend vllm" in capsys.readouterr().err
