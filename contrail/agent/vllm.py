@@ -39,8 +39,8 @@ import torch
 from contrail.agent.backend import Generation, SamplingParams
 from contrail.seeds import derive_seed
 
-__all__ = ["SeededRequests", "VLLMBackend", "VLLMConfig", "VLLMNotInstalled", "fingerprint", "require_vllm",
-           "scheduler_settings", "vllm_backend"]
+__all__ = ["SeededRequests", "VLLMBackend", "VLLMConfig", "VLLMNotInstalled", "base_model", "fingerprint",
+           "merged_weights", "refuse_unmergeable", "require_vllm", "scheduler_settings", "vllm_backend"]
 
 log = logging.getLogger(__name__)
 
