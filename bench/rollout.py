@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from _common import console, fmt, load_policy, median, print_machine, set_threads, table, timed, write_json
@@ -209,6 +210,9 @@ def vllm_vs_hf(policy, args, out) -> dict:
     configs = {label: RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=8192,
                                     temperature=temperature, max_turns=args.max_turns)
                for label, (_, temperature) in batches.items()}
+    import vllm
+
+    out.print(f"vllm {vllm.__version__}")
     model, tokenizer = policy.model, policy.tokenizer
     hf = Policy.from_model(model, tokenizer, seed=0, max_batch_size=64, autocast_bf16=True)
     engine = RolloutConfig(max_new_tokens=args.max_new_tokens, max_episode_tokens=8192, backend="vllm",
@@ -228,8 +232,9 @@ def vllm_vs_hf(policy, args, out) -> dict:
             play(sampler, tasks[:2], make_env, configs[label], seed=1, batched=True)  # warm-up
             results[label][backend] = rate(sampler, tasks, make_env, configs[label], seed=0)
             r = results[label][backend]
+            r["load_average_1min"] = os.getloadavg()[0]  # other jobs on the cores skew the ratio: say so
             out.print(f"  {label} {backend}: {r['episodes']} episodes, {r['generated_tokens']} tokens, "
-                      f"{r['seconds']:.1f}s")
+                      f"{r['seconds']:.1f}s (load avg {r['load_average_1min']:.1f} after it)")
     rows = []
     for label in batches if backends == ["hf", "vllm"] else ():
         r = results[label]

@@ -124,12 +124,21 @@ def cmd_envs(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     """Evaluate a model on ``--env`` tasks; ``results.json`` and ``trajectories.jsonl`` go to ``--out``."""
     from contrail.agent.vllm import VLLMNotInstalled
+    from contrail.agent.vllm_server import VLLMServerMisconfigured
     from contrail.evaluation import evaluate
     from contrail.models import resolve_device
     from contrail.policy import Policy
     from contrail.stream import Experience, env_factory
 
     config = dataclasses.replace(rollout_from_args(args), backend=args.backend)
+    if args.vllm_url is not None:  # server mode: a running `vllm serve` samples
+        if args.backend != "vllm":
+            raise UsageError("--vllm-url needs --backend vllm")
+        try:
+            server = dataclasses.replace(config.vllm, mode="server", url=args.vllm_url)
+            config = dataclasses.replace(config, vllm=server)
+        except ValueError as error:
+            raise UsageError(f"--vllm-url: {error}") from None
     device = resolve_device(args.device)
     out = output_dir(args.out, Path("runs") / "eval" / time.strftime("%Y%m%d-%H%M%S"))
     experiences = [Experience.from_spec(spec, test_tasks=args.tasks, train_tasks=args.tasks, seed=args.seed)
@@ -139,6 +148,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         policy = Policy.load(args.model, device=device, dtype=args.dtype, seed=args.seed, rollout=config)
     except VLLMNotInstalled as error:
         raise UsageError(f"--backend vllm: {error}") from None
+    except VLLMServerMisconfigured as error:
+        raise UsageError(f"--vllm-url: {error}") from None
     out.mkdir(parents=True, exist_ok=True)
     trajectories = out / "trajectories.jsonl"
     trajectories.unlink(missing_ok=True)
@@ -410,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_eval.add_argument("--out", default=None, help="output directory (default runs/eval/<time>)")
     p_eval.add_argument("--backend", default="hf", choices=["hf", "vllm"],
                         help="what samples: hf (the model itself) or vllm (a vLLM engine; docs/vllm.md)")
+    p_eval.add_argument("--vllm-url", default=None, metavar="URL",
+                        help="with --backend vllm: sample with the `vllm serve` at URL (server mode; docs/vllm.md)")
     add_rollout_arguments(p_eval)
     p_eval.set_defaults(handler=cmd_eval)
 

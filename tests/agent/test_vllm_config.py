@@ -165,3 +165,195 @@ def test_update_syncs_the_backend_after_the_optimizer_step(tokenizer):
     trainer.update(trajectories)
     assert [name for name, _ in calls] == ["prepare", "sync"]
     assert calls[1][1] != calls[0][1], "sync must come after the optimizer changed the weights"
+
+
+def test_cpu_engines_never_split_a_prompt_across_steps():
+    from contrail.agent.vllm import scheduler_settings
+
+    # CPU: no chunked prefill, and a step's budget holds the longest prompt (vLLM refuses less).
+    assert scheduler_settings("cpu", 8192, 64) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 8192}
+    assert scheduler_settings("cpu", 256, 64) == {"enable_chunked_prefill": False, "max_num_batched_tokens": 4096}
+    assert scheduler_settings("cuda", 8192, 64) == {}  # GPU generators rewind; vLLM's defaults stay
+
+
+# --- server mode: settings and the checks made before sampling (a stub server; no vLLM needed) --------
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"mode": "remote"}, "mode must be one of colocate, server, got 'remote'"),
+    ({"mode": "server"}, "url must be the server's address"),
+    ({"mode": "server", "url": "127.0.0.1:8000"}, "url must be the server's address"),
+    ({"url": "http://127.0.0.1:8000"}, "url is only read with mode: server"),
+    ({"mode": "server", "url": "http://h:1", "sync_dir": ""}, "sync_dir must be a directory path or null"),
+])
+def test_server_settings_name_the_bad_key(options, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        VLLMConfig(**options)
+
+
+def test_experiment_file_selects_server_mode(tmp_path):
+    exp = load_experiment(_experiment(tmp_path, "{backend: vllm, vllm: {mode: server, url: 'http://10.0.0.5:8000'}}"))
+    assert exp.rollout.vllm.mode == "server" and exp.rollout.vllm.url == "http://10.0.0.5:8000"
+    with pytest.raises(ConfigError, match="rollout.vllm.url"):
+        load_experiment(_experiment(tmp_path, "{backend: vllm, vllm: {mode: server}}"))
+
+
+GOOD_SETTINGS = {"logprobs_mode": "processed_logprobs", "max_model_len": 4096, "enable_chunked_prefill": False,
+                 "enable_prefix_caching": True, "device": "cpu"}
+
+
+@pytest.fixture
+def stub_server():
+    """A local HTTP server answering /health and /collective_rpc as ``answer(method) -> (status, body)`` says."""
+    import http.server
+    import json
+    import threading
+
+    state = {"answer": lambda method: (200, {"results": [GOOD_SETTINGS]})}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def reply(self, status, body):
+            payload = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self):
+            self.reply(200, {}) if self.path == "/health" else self.reply(404, {"detail": "Not Found"})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.reply(*state["answer"](body.get("method")))
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    state["url"] = f"http://127.0.0.1:{server.server_address[1]}"
+    yield state
+    server.shutdown()
+
+
+def _server_policy(tokenizer, model, url):
+    rollout = RolloutConfig(backend="vllm", max_episode_tokens=1024, vllm=VLLMConfig(mode="server", url=url))
+    return Policy.from_model(model, tokenizer, rollout=rollout)
+
+
+def test_server_mode_needs_no_vllm_in_the_trainer(monkeypatch, stub_server, tokenizer, model):
+    from contrail.agent.vllm_server import VLLMServerBackend
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    backend = _server_policy(tokenizer, model, stub_server["url"]).backend
+    assert isinstance(backend, VLLMServerBackend) and backend.needs_weight_sync
+
+
+@pytest.mark.parametrize("answer, message", [
+    (lambda method: (404, {"detail": "Not Found"}), "has no /collective_rpc; start it with VLLM_SERVER_DEV_MODE=1"),
+    (lambda method: (500, {"error": {"message": f"'CPUWorker' object has no attribute '{method}'"}}),
+     "lacks contrail's worker extension; start it with --worker-extension-cls "
+     "contrail.agent.vllm_worker.WeightSyncExtension"),
+    (lambda method: (200, {"results": [{**GOOD_SETTINGS, "logprobs_mode": "raw_logprobs"}]}),
+     "reports logprobs_mode raw_logprobs; start it with --logprobs-mode processed_logprobs"),
+    (lambda method: (200, {"results": [{**GOOD_SETTINGS, "enable_chunked_prefill": True}]}),
+     "has chunked prefill on"),
+    (lambda method: (200, {"results": [{**GOOD_SETTINGS, "max_model_len": 256}]}),
+     "rollout.max_episode_tokens: episodes reach 1024 tokens but the server .* --max-model-len 256"),
+])
+def test_misconfigured_server_is_one_line_saying_what_to_fix(stub_server, tokenizer, model, answer, message):
+    from contrail.agent.vllm_server import VLLMServerMisconfigured
+
+    stub_server["answer"] = answer
+    with pytest.raises(VLLMServerMisconfigured, match=message) as raised:
+        _server_policy(tokenizer, model, stub_server["url"])
+    assert "\n" not in str(raised.value)
+
+
+def test_no_server_at_the_url_is_one_line(tokenizer, model):
+    import socket
+
+    from contrail.agent.vllm_server import VLLMServerMisconfigured
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(VLLMServerMisconfigured, match=f"rollout.vllm.url: no vLLM server answers at http://127.0.0.1:{port}"):
+        _server_policy(tokenizer, model, f"http://127.0.0.1:{port}")
+
+
+def test_serve_command_has_what_the_backend_checks():
+    from contrail.agent.vllm_server import EXTENSION, serve_command
+
+    cpu = serve_command("/models/m", 8001, max_model_len=8192, config=VLLMConfig(kv_cache_gb=2), device_type="cpu")
+    text = " ".join(cpu)
+    for flag in ("--port 8001", "--logprobs-mode processed_logprobs", f"--worker-extension-cls {EXTENSION}",
+                 "--max-model-len 8192", "--enable-prefix-caching", "--no-enable-chunked-prefill",
+                 "--max-num-batched-tokens 8192", f"--kv-cache-memory-bytes {2 << 30}"):
+        assert flag in text
+    gpu = " ".join(serve_command("/models/m", max_model_len=8192, device_type="cuda"))
+    assert "--gpu-memory-utilization 0.3" in gpu and "chunked" not in gpu and "--load-format" not in gpu
+
+
+# --- LoRA: merge-on-sync ----------------------------------------------------------------------
+
+
+def _lora_model(tokenizer):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model(tokenizer, hidden_size=64, seed=2),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                lora_dropout=0.0))
+    with torch.no_grad():  # B starts at zero (the adapter a no-op): give it weight, so a missed merge shows
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    return model
+
+
+def test_merged_weights_are_peft_s_own_merge_under_the_plain_names(tokenizer):
+    import copy
+
+    from contrail.agent.vllm import merged_weights
+
+    model = _lora_model(tokenizer)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    merged = dict(merged_weights(model))
+    reference = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert merged.keys() == reference.keys()
+    for name, tensor in reference.items():
+        torch.testing.assert_close(merged[name], tensor, rtol=0, atol=1e-6)
+    base_q = model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight
+    assert (merged["model.layers.0.self_attn.q_proj.weight"] - base_q).abs().max() > 1e-3  # the adapter is in it
+    for name, tensor in model.state_dict().items():  # computed beside the model: nothing merged in place
+        assert torch.equal(tensor, before[name])
+    with model.disable_adapter():  # a disabled adapter is not merged
+        torch.testing.assert_close(dict(merged_weights(model))["model.layers.0.self_attn.q_proj.weight"], base_q)
+
+
+def test_dora_is_refused_in_one_line(tokenizer):
+    peft = pytest.importorskip("peft")
+    from contrail.agent.vllm import refuse_unmergeable
+
+    model = peft.get_peft_model(tiny_model(tokenizer, hidden_size=64),
+                                peft.LoraConfig(r=2, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ValueError, match="merges plain LoRA adapters only; adapter 'default' is LoraConfig with "
+                                         "use_dora"):
+        refuse_unmergeable(model)
+
+
+def test_eval_vllm_url_without_a_server_is_one_line(tmp_path, tokenizer, capsys):
+    import socket
+
+    from contrail.cli import main
+
+    tiny_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    common = ["eval", "--model", str(tmp_path / "model"), "--env", "textcraft:easy", "--tasks", "1",
+              "--out", str(tmp_path / "out")]
+    assert main(common + ["--backend", "vllm", "--vllm-url", f"http://127.0.0.1:{port}"]) == 2
+    assert f"--vllm-url: rollout.vllm.url: no vLLM server answers at http://127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(common + ["--vllm-url", f"http://127.0.0.1:{port}"]) == 2
+    assert "--vllm-url needs --backend vllm" in capsys.readouterr().err

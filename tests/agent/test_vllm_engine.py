@@ -10,13 +10,15 @@ pytest's process needs no ``__main__`` guard.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 pytest.importorskip("vllm")
 
 from contrail.agent import ChatFormat, HFBackend, RolloutConfig, SamplingParams, rollout  # noqa: E402
-from contrail.agent.vllm import VLLMBackend, VLLMConfig, _fingerprint  # noqa: E402
+from contrail.agent.vllm import VLLMBackend, VLLMConfig, fingerprint  # noqa: E402
 from contrail.grpo.config import GRPOConfig  # noqa: E402
 from contrail.grpo.trainer import GRPOTrainer  # noqa: E402
 from contrail.testing import MagicWordEnv, tiny_model  # noqa: E402
@@ -66,7 +68,7 @@ def test_engine_samples_the_updated_weights_after_every_update(trainer):
     stats = trainer.update(trajectories)
     assert "skipped_update" not in stats
     # The trainer synced the engine itself (no generation needed to notice the change) ...
-    assert backend.engine.owner == _fingerprint(trainer.model)
+    assert backend.engine.owner == fingerprint(trainer.model)
     after = backend.sequence_logprobs(fixed)
     trained = trainer_logprobs(trainer.model, fixed)
     # ... so the engine scores like the trained model, not like the old one.
@@ -137,3 +139,70 @@ def test_a_second_backend_of_the_model_shares_the_engine_and_resyncs(trainer, to
     # The shared engine now holds the other model's weights: the trainer's backend must notice and reload.
     assert max_gap(trainer.policy.backend.sequence_logprobs(fixed), trainer_logprobs(trainer.model, fixed)) \
         < SYNC_TOLERANCE
+
+
+def test_evaluation_sized_batch_of_long_distinct_seeded_prompts(trainer):
+    """64 distinct seeded prompts whose prefill exceeds one engine step's token budget, in one call.
+
+    With chunked prefill, vLLM 0.32 splits such a batch and rewinds the seeded
+    generators of partially prefilled requests, which CPU generators cannot
+    ("CPU Generator does not use offset"); the backend must build an engine
+    that never splits a prompt.
+    """
+    backend = trainer.policy.backend
+    rng = random.Random(0)
+    vocab = trainer.model.config.vocab_size
+    prompts = [[rng.randrange(4, vocab) for _ in range(200)] for _ in range(64)]
+    budget = backend.engine.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    assert sum(map(len, prompts)) > 2 * budget, "the batch must need several engine steps to prefill"
+    params = SamplingParams(max_new_tokens=4, temperature=1.0)
+    backend.reseed(11)
+    first = backend.generate(prompts, params)
+    assert len(first) == 64 and all(1 <= len(g.ids) <= 4 and len(g.logprobs) == len(g.ids) for g in first)
+    backend.reseed(11)
+    assert [g.ids for g in backend.generate(prompts, params)] == [g.ids for g in first]
+
+
+def test_lora_model_is_sampled_with_its_adapter_merged(trainer, tokenizer):
+    """Merge-on-sync: the engine holds W + BA; an update of the adapter alone reaches it."""
+    peft = pytest.importorskip("peft")
+    from contrail.policy import Policy
+
+    model = peft.get_peft_model(tiny_model(tokenizer, hidden_size=256, layers=2, seed=2),
+                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                lora_dropout=0.0))
+    lora = [p for name, p in model.named_parameters() if "lora_" in name]
+    with torch.no_grad():  # B starts at zero (the adapter a no-op): give it weight, so a missed merge shows
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.5)
+    backend = Policy.from_model(model, tokenizer, rollout=ROLLOUT).backend
+    assert backend.engine is trainer.policy.backend.engine  # keyed by the base model's shape
+    fixed = trainer.collect(tasks(1))[0].ids
+    engine = backend.sequence_logprobs(fixed)
+    assert max_gap(engine, trainer_logprobs(model, fixed)) < SYNC_TOLERANCE
+    with model.disable_adapter():
+        assert max_gap(engine, trainer_logprobs(model, fixed)) > 100 * SYNC_TOLERANCE
+    with torch.no_grad():  # a step that moves only the adapter (an in-place update, as an optimizer's)
+        for parameter in lora:
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    moved = backend.sequence_logprobs(fixed)
+    assert max_gap(moved, trainer_logprobs(model, fixed)) < SYNC_TOLERANCE
+    assert max_gap(moved, engine) > 100 * SYNC_TOLERANCE
+
+
+def test_grpo_with_lora_samples_the_updated_adapter(tokenizer):
+    pytest.importorskip("peft")
+    config = GRPOConfig(lr=1e-2, group_size=4, tasks_per_step=2, warmup_steps=0, lora=True, lora_r=4)
+    lora_trainer = GRPOTrainer(tiny_model(tokenizer, hidden_size=256, layers=2, seed=0), tokenizer, config, ROLLOUT,
+                               make_env, seed=0, show_progress=False)
+    backend = lora_trainer.policy.backend
+    trajectories = lora_trainer.collect(tasks(2))
+    fixed = trajectories[0].ids
+    before = backend.sequence_logprobs(fixed)
+    for index, trajectory in enumerate(trajectories):
+        trajectory.reward = float(index % 2)
+    assert "skipped_update" not in lora_trainer.update(trajectories)
+    after = backend.sequence_logprobs(fixed)
+    assert max_gap(after, trainer_logprobs(lora_trainer.model, fixed)) < SYNC_TOLERANCE
+    assert max_gap(after, before) > 100 * SYNC_TOLERANCE
