@@ -15,6 +15,7 @@
     python bench/rollout.py --model tiny                  # random 2-layer model: overheads only
     python bench/rollout.py --env babyai:easy --episodes 16 --max-new-tokens 64 --json out.json
     /work/venv-vllm/bin/python bench/rollout.py --vllm --json vllm.json   # (c), SmolLM2, ~10 minutes here
+    python bench/rollout.py --decode                      # (d) the HF backend's CPU decoding, side by side
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vllm-eager", action="store_true", help="(c) enforce_eager: no compilation")
     parser.add_argument("--vllm-backends", default="hf,vllm", help="(c) backends to time (a partial rerun)")
     parser.add_argument("--vllm-batches", default="train,eval", help="(c) batches to play (a partial rerun)")
+    parser.add_argument("--decode", action="store_true",
+                        help="run (d) only: the HF backend's CPU decoding against its plain path")
     parser.add_argument("--json", default=None, help="write the results here")
     return parser.parse_args(argv)
 
@@ -254,6 +257,68 @@ def vllm_vs_hf(policy, args, out) -> dict:
     return results
 
 
+# --- (d) the HF backend's CPU decoding against its plain path -----------------------------
+
+
+def decode_paths(policy, args, out) -> dict:
+    """The quickstart's two batch shapes played by the HF backend twice, side by side, greedily.
+
+    "plain": every prompt prefilled in full, each turn's new parts padded to the
+    longest, decode steps through transformers' SDPA (``share_prefix=False,
+    decode_attention=False``). "contrail": the defaults (shared prefixes and
+    identical prompts prefilled once, length buckets, the direct decode-step
+    attention). Greedy decoding, so both play the same episodes; sampling's
+    own cost (inverse CDF against ``torch.multinomial``) is timed apart.
+    """
+    from contrail.stream import Experience, env_factory
+
+    experience = Experience.from_spec("babyai:easy", test_tasks=64)
+    config = RolloutConfig(max_new_tokens=40, max_episode_tokens=2048, temperature=0.0, max_turns=4)
+    shapes = {"GRPO step (6 tasks x 4)": [t for t in experience.test_tasks[:6] for _ in range(4)],
+              "evaluation (64 tasks)": list(experience.test_tasks)}
+    make_env = env_factory([experience])
+    backends = {
+        "plain": HFBackend(policy.model, policy.chat.stop_ids, policy.tokenizer.pad_token_id, autocast_bf16=True,
+                           share_prefix=False, decode_attention=False),
+        "contrail": HFBackend(policy.model, policy.chat.stop_ids, policy.tokenizer.pad_token_id, autocast_bf16=True),
+    }
+    results, rows = {}, []
+    for shape, tasks in shapes.items():
+        for label, backend in backends.items():
+            start = time.perf_counter()
+            trajectories = rollout(backend, policy.chat, tasks, make_env, config)
+            seconds = time.perf_counter() - start
+            tokens = sum(t.generated_tokens for t in trajectories)
+            results[f"{shape}/{label}"] = {"seconds": seconds, "episodes": len(trajectories),
+                                           "generated_tokens": tokens, "ids": [t.ids for t in trajectories]}
+        plain, mine = results[f"{shape}/plain"], results[f"{shape}/contrail"]
+        same = plain["ids"] == mine["ids"]
+        rows.append([shape, plain["episodes"], plain["generated_tokens"], fmt(plain["seconds"], 1),
+                     fmt(mine["seconds"], 1), fmt(plain["seconds"] / mine["seconds"], 2) + "x",
+                     "yes" if same else "no (bf16 rounding)"])
+    out.print(table("(d) babyai:easy, SmolLM2 in bf16 autocast, 4 turns x 40 tokens, greedy",
+                    ["batch", "episodes", "gen tokens", "plain s", "contrail s", "speed-up", "same episodes"], rows))
+    results["sampling"] = sampling_cost(out)
+    for value in results.values():
+        value.pop("ids", None)
+    return results
+
+
+def sampling_cost(out) -> dict:
+    """One sampling step at batch 64 over a 49k vocabulary: inverse CDF against ``torch.multinomial``."""
+    import torch
+
+    from contrail.agent.backend import draw
+
+    probs = torch.softmax(torch.randn(64, 49_152), -1)
+    generator = torch.Generator().manual_seed(0)
+    multinomial = median([timed(lambda: torch.multinomial(probs, 1, generator=generator))[0] for _ in range(9)])
+    inverse = median([timed(lambda: draw(probs, generator))[0] for _ in range(9)])
+    out.print(f"sampling one token for 64 rows: torch.multinomial {multinomial * 1e3:.1f} ms, "
+              f"inverse CDF {inverse * 1e3:.1f} ms ({multinomial / inverse:.1f}x)")
+    return {"multinomial_s": multinomial, "inverse_cdf_s": inverse}
+
+
 def rate(policy, tasks, make_env, config: RolloutConfig, seed: int) -> dict:
     """Episodes/s and generated tokens/s of one batched rollout of ``tasks``."""
     seconds, trajectories = play(policy, tasks, make_env, config, seed=seed, batched=True)
@@ -273,6 +338,10 @@ def main(argv=None) -> None:
     report = {"machine": info, "args": vars(args)}
     if args.vllm:
         report["vllm_vs_hf"] = vllm_vs_hf(policy, args, out)
+        write_json(args.json, report)
+        return
+    if args.decode:
+        report["decode_paths"] = decode_paths(policy, args, out)
         write_json(args.json, report)
         return
     if not args.skip_a:

@@ -11,6 +11,7 @@ weights); ``prepare_update()`` before it lets a backend free memory.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Protocol
@@ -94,11 +95,11 @@ def sample_next(
         if params.top_p < 1:
             logits = _filter_top_p(logits, params.top_p)
         logprobs = logits.log_softmax(-1)
-        ids = _draw(logprobs.exp(), generator)
+        ids = draw(logprobs.exp(), generator)
     return ids, logprobs.gather(-1, ids[:, None]).squeeze(-1)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One id per row, drawn with probability ``probs`` by inverting the cumulative distribution.
 
     One uniform number per row: ``torch.multinomial`` draws an exponential
@@ -185,9 +186,10 @@ class HFBackend:
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], pad_id: int, seed: int = 0,
                  max_batch_size: int = 64, reuse_cache: bool = True, autocast_bf16: bool = False,
-                 share_prefix: bool = True):
+                 share_prefix: bool = True, decode_attention: bool = True):
         self.model = model
         self.share_prefix = share_prefix  # prefill shared prompt prefixes once (see `_prefill`)
+        self.decode_attention = decode_attention  # CPU decode steps attend directly (`contrail.agent.attention`)
         self.stop_ids = frozenset(stop_ids)
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
@@ -248,7 +250,8 @@ class HFBackend:
         self.model.eval()
         autocast = torch.autocast(self._device().type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
         try:
-            with autocast, decoding_attention(self.model):
+            decoding = decoding_attention(self.model) if self.decode_attention else contextlib.nullcontext()
+            with autocast, decoding:
                 rows = self._session.match(prompts) if (self.reuse_cache and self._session) else None
                 if rows is None:
                     session, logits = self._prefill(prompts)
