@@ -53,7 +53,7 @@ from contrail.policy import Policy
 from contrail.progress import StepProgress
 from contrail.seeds import check_seed, derive_seed
 from contrail.train.logprobs import sequence_logprobs
-from contrail.train.trainer import Batch, MaskedTokenTrainer
+from contrail.train.trainer import Batch, MaskedTokenTrainer, load_tensors_file
 
 __all__ = ["GRPOTrainer", "LossTerm", "TaskSource", "TooManyEpisodeErrors", "TrajectoryEditor"]
 
@@ -250,13 +250,23 @@ class GRPOTrainer:
                                  "backend_rng": self.policy.backend.generator_state()}
         if sampler is not None and hasattr(sampler, "state_dict"):
             state["sampler"] = sampler.state_dict()
-        return self.masked_trainer.save(Path(directory), extra=state)
+        saved = self.masked_trainer.save(Path(directory), extra=state)
+        # Each process samples its own episodes from its own generator: keep every process's state,
+        # not only the main process's (the shared state files are written by the main process alone).
+        path = saved / f"rollout_rng-{self.accelerator.process_index}.pt"
+        partial = path.with_name(path.name + ".partial")
+        torch.save({"backend_rng": self.policy.backend.generator_state()}, partial)
+        partial.replace(path)
+        self.accelerator.wait_for_everyone()
+        return saved
 
     def load_state(self, directory: str | Path, sampler: Any = None) -> dict:
         """Restore what `save` wrote (the caller loads the model weights); return its ``extra``."""
         state = self.masked_trainer.load_state(Path(directory))
         self.step_count = int(state["grpo_step"])
-        self.policy.backend.set_generator_state(state["backend_rng"])
+        own = Path(directory) / f"rollout_rng-{self.accelerator.process_index}.pt"
+        rng = load_tensors_file(own)["backend_rng"] if own.is_file() else state["backend_rng"]
+        self.policy.backend.set_generator_state(rng)
         if sampler is not None and "sampler" in state:
             sampler.load_state_dict(state["sampler"])
         return state.get("extra", {})
