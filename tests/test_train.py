@@ -236,3 +236,16 @@ def test_pack_by_prompt_keeps_a_prompt_together_and_counts_its_prefix_once():
     assert shared_prefix_length(samples) == 0  # nothing shared across prompts
     short = [Sample([5] * MIN_SHARED_PREFIX + [1, 2], [0] * MIN_SHARED_PREFIX + [1, 1])] * 2
     assert shared_prefix_length(short) == 0  # MIN_SHARED_PREFIX - 1 ids: not worth a forward of their own
+
+
+def test_pack_by_prompt_keeps_environments_apart_when_that_forwards_fewer_tokens():
+    # Two environments' instructions (40 ids each), then a task of 5 ids and 10 trained ids.
+    def demo(env, task):
+        return Sample([env] * 40 + [task] * 5 + [7] * 10, [0] * 45 + [1] * 10)
+
+    samples = [demo(env, task) for task in (11, 12, 13) for env in (1, 2)]
+    groups = pack_by_prompt(samples, budget=10_000)  # room for all in one, sharing nothing
+    assert len(groups) == 2
+    for group in groups:
+        assert len({samples[i].ids[0] for i in group}) == 1
+        assert shared_prefix_length([samples[i] for i in group]) == 40

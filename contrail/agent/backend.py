@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from contrail.agent.attention import decoding_attention
+from contrail.agent.kv_cache import growing_cache
 from contrail.models import forward_accepts
 
 
@@ -265,8 +266,8 @@ class HFBackend:
 
     def _forward(self, input_ids, attention, positions, cache=None):
         kwargs = {"input_ids": input_ids, "attention_mask": attention, "position_ids": positions, "use_cache": True}
-        if cache is not None:
-            kwargs[self._cache_arg] = cache
+        # A fresh batch gets a cache that appends in place (`contrail.agent.kv_cache`), not by concatenation.
+        kwargs[self._cache_arg] = cache if cache is not None else growing_cache()
         if self._keep_arg:
             kwargs[self._keep_arg] = 1  # only the last position's logits are needed
         out = self.model(**kwargs)

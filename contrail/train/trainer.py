@@ -154,7 +154,9 @@ def pack_by_prompt(samples: list[Sample], budget: int) -> list[list[int]]:
     its instructions), then by length, and packed in that order. A
     micro-batch's cost counts its shared prefix once
     (`shared_prefix_length`), so memory stays bounded as with
-    `pack_by_tokens`.
+    `pack_by_tokens`. A sample starts a new micro-batch when joining would
+    forward more tokens than keeping it apart (its prompt shares little with
+    the micro-batch's: a demonstration of another environment).
     """
     prompts = [tuple(s.ids[:_first_trained(s)]) for s in samples]
     order = sorted(range(len(samples)), key=lambda i: (prompts[i], len(samples[i].ids)))
@@ -167,8 +169,9 @@ def pack_by_prompt(samples: list[Sample], budget: int) -> list[list[int]]:
             first = samples[current[0]]
             grown_shared = _common_length(first.ids, sample.ids, min(shared, _first_trained(sample) - 1))
             grown_width = max(width, len(sample.ids))
-            kept = grown_shared if grown_shared >= MIN_SHARED_PREFIX else 0
-            if kept + (len(current) + 1) * (grown_width - kept) <= budget:
+            joined = _forwarded(grown_shared, len(current) + 1, grown_width)
+            apart = _forwarded(shared, len(current), width) + len(sample.ids)
+            if joined <= budget and joined <= apart:
                 current.append(index)
                 shared, width = grown_shared, grown_width
                 continue
@@ -177,6 +180,12 @@ def pack_by_prompt(samples: list[Sample], budget: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+def _forwarded(shared: int, rows: int, width: int) -> int:
+    """Tokens a micro-batch of ``rows`` rows padded to ``width`` forwards, its shared prefix counted once."""
+    kept = shared if shared >= MIN_SHARED_PREFIX else 0
+    return kept + rows * (width - kept)
 
 
 def collate(samples: list[Sample], pad_id: int, device: torch.device, share_prefix: bool = False) -> Batch:

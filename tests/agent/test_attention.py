@@ -33,8 +33,22 @@ def test_decode_attention_equals_sdpa_with_grouped_heads_and_holes(queries):
     torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
 
 
-def test_longer_queries_go_to_sdpa_itself(monkeypatch):
-    module, query, key, value, mask = _inputs(MAX_DIRECT_QUERIES + 1)
+def test_longer_queries_read_grouped_heads_in_place_and_equal_sdpa(monkeypatch):
+    module, query, key, value, mask = _inputs(MAX_DIRECT_QUERIES + 3, length=14)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    import transformers.integrations.sdpa_attention as sdpa
+
+    def no_copies(*args, **kwargs):
+        raise AssertionError("the key/value heads were copied (repeat_kv)")
+
+    monkeypatch.setattr(sdpa, "repeat_kv", no_copies)
+    mine, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+
+
+def test_training_goes_to_transformers_sdpa_itself(monkeypatch):
+    module, query, key, value, mask = _inputs(1)
+    module.training = True
     called = []
     import transformers.integrations.sdpa_attention as sdpa
 

@@ -1,0 +1,78 @@
+"""A KV cache that appends into spare capacity instead of copying itself every step.
+
+transformers' ``DynamicLayer`` grows by ``torch.cat``: every decode step
+copies the layer's whole cache to add one position. With a batch of 64 rows
+and ~700 cached tokens that copy was 47% of a CPU decode step of
+SmolLM2-135M (256 of 540 ms, measured with the torch profiler), more than
+the model's matrix products. `GrowingLayer` keeps its keys and values in a
+buffer with headroom and returns views of the filled part, so a step writes
+one position; the buffer is reallocated (and copied once) only when it is
+full, growing by a quarter, so copies are amortised over many steps.
+
+Code that replaces a layer's ``keys``/``values`` with tensors of its own
+(``batch_select_indices``, the HF backend's row selection and joins) keeps
+working: the next update sees the tensors are not views of this layer's
+buffer and adopts them into a new one.
+
+>>> cache = growing_cache()            # pass as the model's cache on a fresh prefill
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+MIN_HEADROOM = 64  # positions: one turn's generation (the quickstart's 40 tokens) fits without a reallocation
+
+
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose ``update`` writes into preallocated capacity; ``keys``/``values`` are views."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._buffers: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (owner id, keys, values)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        needed = length + key_states.shape[-2]
+        if not self._fits(key_states, needed):
+            self._reserve(key_states, value_states, needed)
+        _, keys, values = self._buffers
+        keys[..., length:needed, :] = key_states
+        values[..., length:needed, :] = value_states
+        self.keys, self.values = keys[..., :needed, :], values[..., :needed, :]
+        return self.keys, self.values
+
+    def _fits(self, key_states: torch.Tensor, needed: int) -> bool:
+        """Whether ``keys`` is still a view of this layer's own buffer, with room for ``needed`` positions."""
+        if self._buffers is None:
+            return False
+        owner, keys, _ = self._buffers
+        # A copied layer (``copy.copy``) shares the tuple but not the identity: it must not write there.
+        return (owner == id(self) and needed <= keys.shape[-2] and self.keys is not None and self.keys.numel() > 0
+                and self.keys.data_ptr() == keys.data_ptr() and self.keys.shape[:-2] == keys.shape[:-2]
+                and self.keys.stride() == keys.stride() and keys.dtype == key_states.dtype)
+
+    def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
+        """A new buffer of ``needed`` positions plus headroom, holding the cache so far."""
+        capacity = needed + max(MIN_HEADROOM, needed // 4)
+        length = self.get_seq_length()
+        buffers = []
+        for cached, new in ((self.keys, key_states), (self.values, value_states)):
+            shape = list(new.shape)
+            shape[-2] = capacity
+            buffer = new.new_empty(shape)
+            if length:
+                buffer[..., :length, :] = cached
+            buffers.append(buffer)
+        self._buffers = (id(self), buffers[0], buffers[1])
+
+
+def growing_cache() -> DynamicCache:
+    """An empty ``DynamicCache`` whose layers are `GrowingLayer` (created as the model first writes them)."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    return cache

@@ -1,0 +1,70 @@
+"""The in-place KV cache against transformers' concatenating one."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from contrail.agent.kv_cache import MIN_HEADROOM, GrowingLayer, growing_cache
+from contrail.testing import tiny_model, tiny_tokenizer
+
+
+def _states(length, batch=2, heads=2, dim=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, heads, length, dim, generator=g), torch.randn(batch, heads, length, dim, generator=g)
+
+
+def test_updates_return_what_concatenation_returns_across_reallocations():
+    mine, theirs = GrowingLayer(), DynamicLayer()
+    for step, length in enumerate([5] + [1] * (MIN_HEADROOM + 10) + [40]):
+        keys, values = _states(length, seed=step)
+        got, expected = mine.update(keys, values), theirs.update(keys, values)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert mine.get_seq_length() == theirs.get_seq_length() == 5 + MIN_HEADROOM + 10 + 40
+
+
+def test_a_decode_step_writes_in_place_without_copying_the_cache():
+    layer = GrowingLayer()
+    layer.update(*_states(10))
+    buffer = layer.keys.data_ptr()
+    for step in range(MIN_HEADROOM):
+        layer.update(*_states(1, seed=step + 1))
+    assert layer.keys.data_ptr() == buffer  # still views of the first buffer: no per-step copy
+    assert layer.keys.shape[-2] == 10 + MIN_HEADROOM
+
+
+def test_replaced_tensors_are_adopted_and_a_copy_never_writes_into_the_original():
+    layer = GrowingLayer()
+    layer.update(*_states(6))
+    layer.batch_select_indices(torch.tensor([1, 1, 0]))  # rows replaced by a gather, as the HF backend does
+    keys, values = _states(1, batch=3, seed=3)
+    out_keys, _ = layer.update(keys, values)
+    assert out_keys.shape == (3, 2, 7, 4)
+    torch.testing.assert_close(out_keys[:, :, -1], keys[:, :, 0])
+
+    original = layer.keys.clone()
+    twin = copy.copy(layer)  # shares the buffer tuple, as `_Session.take`'s shallow copies do
+    twin.update(*_states(1, batch=3, seed=4))
+    layer_keys, _ = layer.update(*_states(1, batch=3, seed=5))
+    torch.testing.assert_close(layer_keys[:, :, :7], original, rtol=0, atol=0)
+    assert twin.keys.data_ptr() != layer.keys.data_ptr()
+
+
+def test_a_model_generates_the_same_logits_with_either_cache():
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer).eval()
+    ids = torch.tensor([[1, 5, 7, 9, 11, 4], [1, 6, 8, 10, 12, 3]])
+    outputs = []
+    with torch.no_grad():
+        for cache in (DynamicCache(), growing_cache()):
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            steps = [out.logits[:, -1]]
+            for token in range(3, 3 + MIN_HEADROOM + 5):  # past the first buffer's headroom
+                out = model(input_ids=torch.full((2, 1), 3 + token % 9), past_key_values=out.past_key_values, use_cache=True)
+                steps.append(out.logits[:, -1])
+            outputs.append(torch.stack(steps))
+    assert isinstance(out.past_key_values.layers[0], GrowingLayer)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-6)
