@@ -63,7 +63,8 @@ def test_a_model_generates_the_same_logits_with_either_cache():
             out = model(input_ids=ids, past_key_values=cache, use_cache=True)
             steps = [out.logits[:, -1]]
             for token in range(3, 3 + MIN_HEADROOM + 5):  # past the first buffer's headroom
-                out = model(input_ids=torch.full((2, 1), 3 + token % 9), past_key_values=out.past_key_values, use_cache=True)
+                step = torch.full((2, 1), 3 + token % 9)
+                out = model(input_ids=step, past_key_values=out.past_key_values, use_cache=True)
                 steps.append(out.logits[:, -1])
             outputs.append(torch.stack(steps))
     assert isinstance(out.past_key_values.layers[0], GrowingLayer)
