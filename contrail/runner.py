@@ -44,7 +44,7 @@ import numpy as np
 import yaml
 from accelerate import PartialState
 
-from contrail import drift
+from contrail import drift, eval_cache
 from contrail.evaluation import EvalResult, Evaluator, select_tasks
 from contrail.integrations.trackers import Tracking
 from contrail.metrics import summarize
@@ -155,11 +155,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     tracker = _drift_tracker(run_dir, trainer) if experiment.eval.drift and processes.is_main_process else None
     if done < 0 and processes.is_main_process:
         row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
-        episodes: dict[str, list] = {}
-        results = _evaluate(evaluator, trainer, run_dir, 0, experiment, episodes=episodes)
-        if tracker is not None:
-            tracker.keep_start_samples(episodes)  # before row 0: a kill in between redoes both
-        del episodes
+        results = _evaluate_start(evaluator, trainer, run_dir, experiment, stream, start_model, tracker)
         _record(run_dir, 0, row0, [], results, {}, 0.0)
     processes.wait_for_everyone()
     if processes.is_main_process:
@@ -414,6 +410,43 @@ def _evaluate(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir, stage
     return evaluator(trainer.model, trainer.tokenizer, trajectories_path=run_dir.trajectories_path(stage),
                      description=description, autocast_bf16=experiment.grpo.precision == "bf16",
                      episodes=episodes)
+
+
+def _evaluate_start(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir, experiment: Experiment,
+                    stream: Stream, start_model: str, tracker: drift.DriftTracker | None) -> dict[str, EvalResult]:
+    """Row 0: the start model's evaluation, read back from its warm-start's cache when played before.
+
+    Only a warm-started model is cached (its directory is keyed by its
+    inputs, `contrail.eval_cache`), and only without drift tracking, which
+    needs the episodes' token ids.
+    """
+    cached = experiment.model.warmstart is not None and tracker is None
+    if cached:
+        entry = eval_cache.entry_dir(start_model, _start_evaluation_key(experiment, stream, start_model))
+        results = eval_cache.load(entry, run_dir.trajectories_path(0))
+        if results is not None:
+            console.print(f"row 0: reusing the warm-start's evaluation from {entry}")
+            return results
+    episodes: dict[str, list] = {}
+    results = _evaluate(evaluator, trainer, run_dir, 0, experiment, episodes=episodes)
+    if tracker is not None:
+        tracker.keep_start_samples(episodes)  # before row 0: a kill in between redoes both
+    if cached:
+        eval_cache.store(entry, results, run_dir.trajectories_path(0))
+    return results
+
+
+def _start_evaluation_key(experiment: Experiment, stream: Stream, start_model: str) -> str:
+    """Everything that decides row 0's episodes (see `_make_evaluator` and `_evaluate`)."""
+    return eval_cache.evaluation_key(
+        start_model=str(start_model),
+        test=[(e.name, e.env_options, e.test_tasks) for e in stream.test],
+        env_options={e.name: e.env_options for e in stream.experiences},
+        rollout=experiment.eval_rollout, k=experiment.eval.k, batch_episodes=experiment.eval.batch_episodes,
+        seed=derive_seed(experiment.seed, "eval"), precision=experiment.grpo.precision,
+        dtype=experiment.model.dtype, device=experiment.model.device,
+        lora=[experiment.grpo.lora, experiment.grpo.lora_r, experiment.grpo.lora_target_modules],
+    )
 
 
 def _drift_tracker(run_dir: RunDir, trainer: GRPOTrainer) -> drift.DriftTracker:

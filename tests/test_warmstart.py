@@ -204,3 +204,34 @@ def test_behaviour_cloning_lowers_the_loss_on_the_demonstrations(base_model, tmp
     assert (model_dir / "config.json").exists()
     summary = json.loads((tmp_path / "bc" / "summary.json").read_text())
     assert summary["demonstrations"]["envs"] == ["magic:easy"] and summary["demonstrations"]["kept"] == 8
+
+
+def test_row_0_is_read_back_from_the_warm_starts_cache_until_an_input_changes(base_model, tmp_path, monkeypatch):
+    from contrail.agent.rollout import RolloutConfig
+    from contrail.evaluation import Evaluator
+    from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec
+    from contrail.grpo.config import GRPOConfig
+    from contrail.runner import run
+
+    def experiment(out, k=1):
+        return Experiment(
+            name="warm", stream=StreamSpec(train=["magic:easy"], train_tasks=8, test_tasks=3, steps_per_experience=1),
+            strategy=StrategySpec(name="sequential"),
+            model=ModelSpec(name=base_model, dtype="float32", device="cpu", warmstart=SPEC),
+            rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
+            grpo=GRPOConfig(lr=1e-2, group_size=2, tasks_per_step=1), eval=EvalSpec(k=k, drift=False),
+            out=str(out))
+
+    monkeypatch.setattr("contrail.report.write_report", lambda run_dir: [])
+    played = []
+    real_call = Evaluator.__call__
+    monkeypatch.setattr(Evaluator, "__call__", lambda self, *a, **kw: played.append(1) or real_call(self, *a, **kw))
+    first = run(experiment(tmp_path / "a"), show_progress=False)
+    assert len(played) == 2  # row 0 and stage 1
+    again = run(experiment(tmp_path / "b"), show_progress=False)
+    assert len(played) == 3  # stage 1 only: row 0 came from the cache
+    assert again.rows[0] == first.rows[0]
+    row0 = lambda out: (out / "trajectories" / "stage-00.jsonl").read_text()  # noqa: E731
+    assert row0(tmp_path / "b") == row0(tmp_path / "a") != ""
+    run(experiment(tmp_path / "c", k=2), show_progress=False)  # another evaluation: played again
+    assert len(played) == 5
