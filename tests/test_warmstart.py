@@ -30,6 +30,22 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
+def warm_experiment(base_model, out, *, seed=0, test_tasks=2, eval_spec=None):
+    """A one-stage GRPO run on magic:easy that starts from ``SPEC``'s warm-start of ``base_model``."""
+    from contrail.agent.rollout import RolloutConfig
+    from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec
+    from contrail.grpo.config import GRPOConfig
+
+    return Experiment(
+        name="warm",
+        stream=StreamSpec(train=["magic:easy"], train_tasks=8, test_tasks=test_tasks, steps_per_experience=1),
+        strategy=StrategySpec(name="sequential"),
+        model=ModelSpec(name=base_model, dtype="float32", device="cpu", warmstart=SPEC),
+        rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
+        grpo=GRPOConfig(lr=1e-2, group_size=2, tasks_per_step=1), eval=eval_spec or EvalSpec(k=1),
+        seed=seed, out=str(out))
+
+
 def test_the_trainer_settings_come_from_the_warm_start():
     config = sft_config(replace(SPEC, lr=3e-4, precision="bf16"))
     assert config.lr == 3e-4 and config.precision == "bf16"
@@ -149,19 +165,11 @@ def test_a_cut_short_epoch_is_logged_once_after_resuming(base_model, tmp_path, m
 
 
 def test_a_run_with_a_warm_start_starts_from_the_cached_model(base_model, tmp_path, cache, monkeypatch):
-    from contrail.agent.rollout import RolloutConfig
-    from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec
-    from contrail.grpo.config import GRPOConfig
     from contrail.runner import run
     from contrail.seeds import derive_seed
 
     def experiment(out, seed=0):
-        return Experiment(
-            name="warm", stream=StreamSpec(train=["magic:easy"], train_tasks=8, test_tasks=2, steps_per_experience=1),
-            strategy=StrategySpec(name="sequential"),
-            model=ModelSpec(name=base_model, dtype="float32", device="cpu", warmstart=SPEC),
-            rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
-            grpo=GRPOConfig(lr=1e-2, group_size=2, tasks_per_step=1), eval=EvalSpec(k=1), seed=seed, out=str(out))
+        return warm_experiment(base_model, out, seed=seed)
 
     monkeypatch.setattr("contrail.report.write_report", lambda run_dir: [])  # the report is tested elsewhere
     result = run(experiment(tmp_path / "a"), show_progress=False)
@@ -207,20 +215,12 @@ def test_behaviour_cloning_lowers_the_loss_on_the_demonstrations(base_model, tmp
 
 
 def test_row_0_is_read_back_from_the_warm_starts_cache_until_an_input_changes(base_model, tmp_path, monkeypatch):
-    from contrail.agent.rollout import RolloutConfig
     from contrail.evaluation import Evaluator
-    from contrail.experiment import EvalSpec, Experiment, ModelSpec, StrategySpec, StreamSpec
-    from contrail.grpo.config import GRPOConfig
+    from contrail.experiment import EvalSpec
     from contrail.runner import run
 
     def experiment(out, k=1):
-        return Experiment(
-            name="warm", stream=StreamSpec(train=["magic:easy"], train_tasks=8, test_tasks=3, steps_per_experience=1),
-            strategy=StrategySpec(name="sequential"),
-            model=ModelSpec(name=base_model, dtype="float32", device="cpu", warmstart=SPEC),
-            rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
-            grpo=GRPOConfig(lr=1e-2, group_size=2, tasks_per_step=1), eval=EvalSpec(k=k, drift=False),
-            out=str(out))
+        return warm_experiment(base_model, out, test_tasks=3, eval_spec=EvalSpec(k=k, drift=False))
 
     monkeypatch.setattr("contrail.report.write_report", lambda run_dir: [])
     played = []
