@@ -420,8 +420,8 @@ def _evaluate_start(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir,
     inputs, `contrail.eval_cache`), and only without drift tracking, which
     needs the episodes' token ids.
     """
-    cached = experiment.model.warmstart is not None and tracker is None
-    if cached:
+    cacheable = experiment.model.warmstart is not None and tracker is None
+    if cacheable:
         entry = eval_cache.entry_dir(start_model, _start_evaluation_key(experiment, stream, start_model))
         results = eval_cache.load(entry, run_dir.trajectories_path(0))
         if results is not None:
@@ -431,7 +431,7 @@ def _evaluate_start(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir,
     results = _evaluate(evaluator, trainer, run_dir, 0, experiment, episodes=episodes)
     if tracker is not None:
         tracker.keep_start_samples(episodes)  # before row 0: a kill in between redoes both
-    if cached:
+    if cacheable:
         eval_cache.store(entry, results, run_dir.trajectories_path(0))
     return results
 
@@ -440,7 +440,7 @@ def _start_evaluation_key(experiment: Experiment, stream: Stream, start_model: s
     """Everything that decides row 0's episodes (see `_make_evaluator` and `_evaluate`)."""
     return eval_cache.evaluation_key(
         start_model=str(start_model),
-        test=[(e.name, e.env_options, e.test_tasks) for e in stream.test],
+        test=[(e.name, e.test_tasks) for e in stream.test],
         env_options={e.name: e.env_options for e in stream.experiences},
         rollout=experiment.eval_rollout, k=experiment.eval.k, batch_episodes=experiment.eval.batch_episodes,
         seed=derive_seed(experiment.seed, "eval"), precision=experiment.grpo.precision,

@@ -17,35 +17,19 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm_helpers import make_env, max_gap, tasks, trainer_logprobs  # noqa: E402
+
 from contrail.agent import ChatFormat, HFBackend, RolloutConfig, SamplingParams, rollout  # noqa: E402
 from contrail.agent.vllm import VLLMBackend, VLLMConfig, fingerprint  # noqa: E402
 from contrail.grpo.config import GRPOConfig  # noqa: E402
 from contrail.grpo.trainer import GRPOTrainer  # noqa: E402
 from contrail.testing import MagicWordEnv, tiny_model  # noqa: E402
-from contrail.train.logprobs import sequence_logprobs  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 ENGINE = VLLMConfig(enforce_eager=True, dtype="float32", kv_cache_gb=0.25)
 ROLLOUT = RolloutConfig(max_new_tokens=6, max_episode_tokens=256, max_turns=3, backend="vllm", vllm=ENGINE)
 SYNC_TOLERANCE = 1e-4  # max |engine - trainer| log-prob, fp32 on both sides
-
-
-def make_env(task):
-    return MagicWordEnv()
-
-
-def tasks(n):
-    return (MagicWordEnv().tasks("train", "easy") * n)[:n]
-
-
-def trainer_logprobs(model, ids):
-    with torch.no_grad():
-        return sequence_logprobs(model, torch.tensor([ids]))[0, 1:].tolist()
-
-
-def max_gap(a, b):
-    return max(abs(x - y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")

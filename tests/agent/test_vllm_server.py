@@ -18,17 +18,17 @@ import time
 import urllib.request
 
 import pytest
-import torch
 
 pytest.importorskip("vllm")
+
+from vllm_helpers import make_env, max_gap, tasks, trainer_logprobs  # noqa: E402
 
 from contrail.agent import RolloutConfig, SamplingParams, rollout  # noqa: E402
 from contrail.agent.vllm import VLLMConfig, fingerprint  # noqa: E402
 from contrail.agent.vllm_server import VLLMServerBackend, serve_command  # noqa: E402
 from contrail.grpo.config import GRPOConfig  # noqa: E402
 from contrail.grpo.trainer import GRPOTrainer  # noqa: E402
-from contrail.testing import MagicWordEnv, tiny_model  # noqa: E402
-from contrail.train.logprobs import sequence_logprobs  # noqa: E402
+from contrail.testing import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -84,23 +84,6 @@ def server(tmp_path_factory, tokenizer):
             process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-
-
-def make_env(task):
-    return MagicWordEnv()
-
-
-def tasks(n):
-    return (MagicWordEnv().tasks("train", "easy") * n)[:n]
-
-
-def trainer_logprobs(model, ids):
-    with torch.no_grad():
-        return sequence_logprobs(model, torch.tensor([ids]))[0, 1:].tolist()
-
-
-def max_gap(a, b):
-    return max(abs(x - y) for x, y in zip(a, b))
 
 
 @pytest.fixture(scope="module")
