@@ -152,11 +152,14 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
                      lambda entry: isinstance(entry.get("step"), int) and entry["step"] <= steps)
         _drop_stale_checkpoints(run_dir, done)
     evaluator = _make_evaluator(experiment, stream, show_progress)
-    tracker = _drift_tracker(run_dir, trainer) if experiment.eval.drift and processes.is_main_process else None
-    if done < 0 and processes.is_main_process:
-        row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
-        results = _evaluate_start(evaluator, trainer, run_dir, experiment, stream, start_model, tracker)
-        _record(run_dir, 0, row0, [], results, {}, 0.0)
+    with trainer.full_weights():  # drift's baseline: the whole weights, as its later measures see them
+        tracker = _drift_tracker(run_dir, trainer) if experiment.eval.drift and processes.is_main_process else None
+    if done < 0:
+        with trainer.full_weights():  # the main process evaluates alone: no collectives in its forwards
+            if processes.is_main_process:
+                row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
+                results = _evaluate_start(evaluator, trainer, run_dir, experiment, stream, start_model, tracker)
+                _record(run_dir, 0, row0, [], results, {}, 0.0)
     processes.wait_for_everyone()
     if processes.is_main_process:
         tracking.log_rows()  # row 0, or a resumed run's rows
@@ -353,13 +356,14 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
     history = trainer.train(sampler, stage.steps, description=f"stage {stage.index}/{total} {stage.name}")
     strategy.after_stage(stage, trainer)
     _save_checkpoint(trainer, strategy, run_dir, stage.index, sampler, processes)
-    if processes.is_main_process:
-        results = _evaluate(evaluator, trainer, run_dir, stage.index, experiment)
-        moved = tracker.measure() if tracker is not None else None
-        _record(run_dir, stage.index, stage.name, list(stage.new), results, _train_summary(history),
-                time.perf_counter() - started, drift_entry=moved)
-        # Only now is the previous stage's optimizer state unneeded: a kill before this row resumes from it.
-        _drop_stale_checkpoints(run_dir, stage.index)
+    with trainer.full_weights():  # the main process evaluates alone: no collectives in its forwards
+        if processes.is_main_process:
+            results = _evaluate(evaluator, trainer, run_dir, stage.index, experiment)
+            moved = tracker.measure() if tracker is not None else None
+            _record(run_dir, stage.index, stage.name, list(stage.new), results, _train_summary(history),
+                    time.perf_counter() - started, drift_entry=moved)
+            # Only now is the previous stage's optimizer state unneeded: a kill before this row resumes from it.
+            _drop_stale_checkpoints(run_dir, stage.index)
     processes.wait_for_everyone()
 
 

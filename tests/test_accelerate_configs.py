@@ -114,6 +114,11 @@ RUN_SCRIPT = textwrap.dedent("""
     import contrail.runner as runner
     from contrail.experiment import Experiment
 
+    if os.environ.get("FORCE_FSDP"):  # accelerate enables FSDP on accelerators only; FSDP2 itself runs on CPU
+        from accelerate import Accelerator, PartialState
+        sys.path.insert(0, "scripts")
+        from sharded_resume import force_fsdp
+        force_fsdp(Accelerator().state)
     experiment = Experiment.from_yaml(sys.argv[1])
     kill_after = int(os.environ.get("KILL_AFTER_STAGE", "0"))
     real_stage = runner._run_stage
@@ -125,46 +130,61 @@ RUN_SCRIPT = textwrap.dedent("""
 
     runner._run_stage = stage_then_die
     runner.run(experiment, resume="--resume" in sys.argv, show_progress=False)
+    import json
+    from accelerate import PartialState
+    if PartialState().is_main_process:
+        print(json.dumps({"distributed_type": PartialState().distributed_type.value}))
 """)
+
+
+def two_stage_experiment(tmp_path: Path, out: str) -> str:
+    """A two-stage run of the tiny model on the magic environments, written to ``<out>.yaml``."""
+    experiment = Experiment(
+        name=out, out=str(tmp_path / out), seed=0,
+        stream=StreamSpec(train=["magic:easy", "magic-berry:easy"], train_tasks=8, test_tasks=4,
+                          steps_per_experience=2),
+        strategy=StrategySpec(name="sequential"),
+        model=ModelSpec(name=str(tmp_path / "start"), dtype="float32", device="cpu"),
+        rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
+        grpo=GRPOConfig(lr=3e-2, group_size=4, tasks_per_step=2), eval=EvalSpec(k=2))
+    path = tmp_path / f"{out}.yaml"
+    path.write_text(experiment.to_yaml())
+    return str(path)
+
+
+def run_rows(run_dir: Path) -> list[dict]:
+    """A run's rows without their wall times."""
+    rows = [{k: v for k, v in json.loads(line).items() if k != "wall_seconds"}
+            for line in (run_dir / "results.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["train"].pop("seconds", None)
+        for part in ("first", "last"):
+            row["train"].get(part, {}).pop("step_seconds", None)
+    return rows
+
+
+def save_start_model(tmp_path: Path) -> None:
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer).save_pretrained(tmp_path / "start")
+    tokenizer.save_pretrained(tmp_path / "start")
 
 
 @multiprocess
 def test_a_run_killed_between_stages_resumes_exactly_under_ddp(tmp_path):
-    tokenizer = tiny_tokenizer()
-    tiny_model(tokenizer).save_pretrained(tmp_path / "start")
-    tokenizer.save_pretrained(tmp_path / "start")
+    save_start_model(tmp_path)
     script = tmp_path / "run.py"
     script.write_text(RUN_SCRIPT)
 
-    def experiment_file(out: str) -> str:
-        experiment = Experiment(
-            name="ddp", out=str(tmp_path / out), seed=0,
-            stream=StreamSpec(train=["magic:easy", "magic-berry:easy"], train_tasks=8, test_tasks=4,
-                              steps_per_experience=2),
-            strategy=StrategySpec(name="sequential"),
-            model=ModelSpec(name=str(tmp_path / "start"), dtype="float32", device="cpu"),
-            rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
-            grpo=GRPOConfig(lr=3e-2, group_size=4, tasks_per_step=2), eval=EvalSpec(k=2))
-        path = tmp_path / f"{out}.yaml"
-        path.write_text(experiment.to_yaml())
-        return str(path)
-
-    launch("ddp", str(script), experiment_file("straight"))
-    killed = experiment_file("killed")
+    launch("ddp", str(script), two_stage_experiment(tmp_path, "straight"))
+    killed = two_stage_experiment(tmp_path, "killed")
     launch("ddp", str(script), killed, env={"KILL_AFTER_STAGE": "1"})
     rows = (tmp_path / "killed" / "results.jsonl").read_text().splitlines()
     assert len(rows) == 2 and not (tmp_path / "killed" / "FINISHED").exists()   # row 0 and stage 1 only
     launch("ddp", str(script), killed, "--resume")
 
     def outcome(out: str):
-        lines = (tmp_path / out / "results.jsonl").read_text().splitlines()
-        rows = [{k: v for k, v in json.loads(line).items() if k != "wall_seconds"} for line in lines]
-        for row in rows:
-            row["train"].pop("seconds", None)
-            for part in ("first", "last"):
-                row["train"].get(part, {}).pop("step_seconds", None)
         weights = load_file(str(tmp_path / out / "checkpoints" / "stage-02" / "model" / "model.safetensors"))
-        return rows, weights
+        return run_rows(tmp_path / out), weights
 
     straight_rows, straight_weights = outcome("straight")
     resumed_rows, resumed_weights = outcome("killed")
@@ -172,3 +192,24 @@ def test_a_run_killed_between_stages_resumes_exactly_under_ddp(tmp_path):
     assert resumed_rows == straight_rows
     assert straight_weights.keys() == resumed_weights.keys()
     assert all((straight_weights[k] == resumed_weights[k]).all() for k in straight_weights)
+
+
+@multiprocess
+def test_a_run_trains_and_evaluates_under_fsdp2(tmp_path):
+    """Rollouts (each process its own number of forwards) and evaluation (the main process alone) sample
+    from the whole model, not through FSDP's all-gathers, which would wait forever for the other process.
+
+    The run finishes, and its row 0 -- the start model, evaluated while sharded for training -- is the
+    same row DDP's run records: the unsharded weights are the real ones.
+    """
+    save_start_model(tmp_path)
+    script = tmp_path / "run.py"
+    script.write_text(RUN_SCRIPT)
+    done = launch("fsdp", str(script), two_stage_experiment(tmp_path, "fsdp"), env={"FORCE_FSDP": "1"},
+                  timeout=300)
+    assert resume_report(done)["distributed_type"] == "FSDP"
+    launch("ddp", str(script), two_stage_experiment(tmp_path, "ddp"))
+    fsdp_rows, ddp_rows = run_rows(tmp_path / "fsdp"), run_rows(tmp_path / "ddp")
+    assert (tmp_path / "fsdp" / "FINISHED").exists() and len(fsdp_rows) == 3
+    assert fsdp_rows[0] == ddp_rows[0]
+    assert all(row["train"].get("steps") for row in fsdp_rows[1:])   # both stages trained

@@ -134,6 +134,14 @@ class GRPOTrainer:
     def tokenizer(self):
         return self.masked_trainer.tokenizer
 
+    def full_weights(self):
+        """A context in which every process holds the whole model (FSDP unshards it); every process enters.
+
+        Sampling from the model (rollouts, evaluation) happens inside it; see
+        `MaskedTokenTrainer.full_weights`.
+        """
+        return self.masked_trainer.full_weights()
+
     # --- seams for strategies ------------------------------------------------------
     def add_loss_term(self, fn: LossTerm) -> Callable[[], None]:
         """Add ``fn(model, batch, logprobs) -> (loss, stats)`` to every update's loss; returns its remover.
@@ -208,7 +216,9 @@ class GRPOTrainer:
         group = self.config.group_size
         episodes = [task for task in tasks for _ in range(group)]
         samples = [i % group for i in range(len(episodes))]
-        return rollout(self.policy.backend, self.policy.chat, episodes, self.make_env, self.rollout, samples=samples)
+        with self.full_weights():  # each process plays its own number of forwards
+            return rollout(self.policy.backend, self.policy.chat, episodes, self.make_env, self.rollout,
+                           samples=samples)
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """Train on ``trajectories`` (whole groups); return the update's stats. Counts one step.

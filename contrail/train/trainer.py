@@ -21,6 +21,7 @@ and JSON only: loading one never runs code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.utils import DistributedType
 
 from contrail.seeds import check_seed, derive_seed
 from contrail.train.config import TrainConfig
@@ -359,9 +361,40 @@ class MaskedTokenTrainer:
     @property
     def sharded(self) -> bool:
         """Whether weights are sharded over processes (FSDP, DeepSpeed): saving them is a collective."""
-        from accelerate.utils import DistributedType
-
         return self.accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """Inside, every process holds the whole model, so its forwards need no other process.
+
+        Sampling runs a different number of forwards on each process (its own
+        episodes), or on the main process alone (evaluation). Under FSDP a
+        forward gathers each block's shards from every process, so those
+        forwards would wait forever for processes doing something else. Under
+        FSDP2 the blocks are unsharded on entry (a collective: every process
+        enters together) and kept whole until the exit reshards them. Elsewhere
+        (one process, DDP) this does nothing. DeepSpeed ZeRO-3 is refused: its
+        parameters would have to be gathered with DeepSpeed's own API, which is
+        not wired here (sample with the vLLM backend there).
+        """
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED and _zero3(self.accelerator):
+            raise NotImplementedError(
+                "sampling from the trainer's model under DeepSpeed ZeRO-3 is not supported: use "
+                "rollout.backend: vllm, or the FSDP config (configs/accelerate/fsdp.yaml)")
+        blocks = _fsdp_modules(self.model)
+        if not blocks:
+            yield
+            return
+        for block in blocks:  # the same order on every process: model.modules() is deterministic
+            block.unshard()
+            block.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for block in blocks:
+                block.reshard()
+                # FSDP2 keeps the root unsharded after its forward (backward needs it at once).
+                block.set_reshard_after_forward(block is not self.model, recurse=False)
 
     def autocast(self):
         """bf16 compute with fp32 master weights when ``precision == "bf16"`` (CPU and GPU).
@@ -468,8 +501,6 @@ class MaskedTokenTrainer:
         is gathered into one *full* state dict keyed by parameter name, which
         loads back at any number of processes (`_load_optimizer_state`).
         """
-        from accelerate.utils import DistributedType
-
         if self.accelerator.distributed_type != DistributedType.FSDP:
             return self.optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -479,8 +510,6 @@ class MaskedTokenTrainer:
 
     def _load_optimizer_state(self, state: dict[str, Any]) -> None:
         """Load what `_optimizer_state` saved; under FSDP every process takes its shard of the full state."""
-        from accelerate.utils import DistributedType
-
         if self.accelerator.distributed_type != DistributedType.FSDP:
             self.optimizer.load_state_dict(state)
             return
@@ -488,6 +517,18 @@ class MaskedTokenTrainer:
 
         set_optimizer_state_dict(self.model, _inner_optimizer(self.optimizer), optim_state_dict=state,
                                  options=StateDictOptions(full_state_dict=True))
+
+
+def _fsdp_modules(model) -> list:
+    """The FSDP2-sharded modules of ``model`` (its blocks and the root), outermost first; [] if none."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def _zero3(accelerator) -> bool:
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    return plugin is not None and plugin.zero_stage == 3
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
