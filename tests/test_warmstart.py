@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 
 import pytest
@@ -70,6 +72,23 @@ def test_warm_start_is_trained_once_then_reused_from_the_cache(base_model, cache
 
     monkeypatch.setattr(sft, "train_sft", no_training)
     assert warmstart(base_model, SPEC, seed=7, dtype="float32", show_progress=False) == path
+
+
+def test_runs_sharing_a_cache_train_a_warm_start_once(base_model, monkeypatch):
+    """Two runs needing the same warm-start at once (a sweep's shards): one trains, the other waits and reuses."""
+    real_training, calls = sft.train_sft, []
+
+    def slow_training(*args, **kwargs):
+        calls.append(1)
+        time.sleep(0.5)  # the other run asks while this one trains
+        return real_training(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "train_sft", slow_training)
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: warmstart(base_model, SPEC, seed=3, dtype="float32", show_progress=False),
+                              range(2)))
+    assert paths[0] == paths[1] and (paths[0] / "config.json").is_file()
+    assert len(calls) == 1
 
 
 def test_the_cache_key_covers_every_field_and_the_seed(base_model):

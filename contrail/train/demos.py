@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -111,7 +112,7 @@ def demonstrations(spec: WarmStart, tokenizer, *, seed: int = 0, use_cache: bool
 
 def _write(path: Path, samples: list[Sample], summary: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".partial")
+    partial = path.with_suffix(f".{os.getpid()}.partial")  # runs sharing the cache may write it at once
     with open(partial, "w", encoding="utf-8") as sink:
         sink.write(json.dumps({"summary": summary}) + "\n")
         for sample in samples:

@@ -18,6 +18,7 @@ directly: there is no second settings type to keep in step with it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -31,6 +32,7 @@ from accelerate import PartialState
 
 from contrail import __version__
 from contrail.models import cache_dir, load_model
+from contrail.paths import cache_lock
 from contrail.progress import StepProgress, console
 from contrail.results import truncate_log
 from contrail.seeds import derive_seed
@@ -135,19 +137,29 @@ def warmstart(model_name: str, spec: WarmStart, *, seed: int = 0, dtype: str = "
         dtype: the dtype the model is loaded in.
         show_progress: show progress bars.
     """
-    directory = cache_dir() / "warmstart" / warmstart_key(model_name, spec, seed=seed, dtype=dtype)
+    key = warmstart_key(model_name, spec, seed=seed, dtype=dtype)
+    directory = cache_dir() / "warmstart" / key
     if _has_model(directory / "model"):
         console.print(f"warm-start: reusing {directory / 'model'}")
         return directory / "model"
-    console.print(f"warm-start: training {model_name} on {spec.episodes} expert episodes of {', '.join(spec.envs)}")
-    staging = directory.with_name(directory.name + ".partial")
-    train_sft(model_name, spec, staging, seed=seed, dtype=dtype, resume=True, show_progress=show_progress)
     processes = PartialState()
-    if processes.is_main_process:
-        shutil.rmtree(staging / "checkpoint", ignore_errors=True)
-        shutil.rmtree(directory, ignore_errors=True)  # a directory without a model: an older partial copy
-        staging.replace(directory)
-    processes.wait_for_everyone()
+    # One run trains it; others sharing the cache wait, then reuse it. Only the main process takes
+    # the lock: the others of its launch wait at the barrier, as they would otherwise deadlock in
+    # the training's collectives with a main process still waiting for the lock.
+    with cache_lock(f"warmstart-{key}") if processes.is_main_process else contextlib.nullcontext():
+        processes.wait_for_everyone()
+        if _has_model(directory / "model"):
+            console.print(f"warm-start: reusing {directory / 'model'} (trained meanwhile by another run)")
+            return directory / "model"
+        console.print(f"warm-start: training {model_name} on {spec.episodes} expert episodes of "
+                      f"{', '.join(spec.envs)}")
+        staging = directory.with_name(directory.name + ".partial")
+        train_sft(model_name, spec, staging, seed=seed, dtype=dtype, resume=True, show_progress=show_progress)
+        if processes.is_main_process:
+            shutil.rmtree(staging / "checkpoint", ignore_errors=True)
+            shutil.rmtree(directory, ignore_errors=True)  # a directory without a model: an older partial copy
+            staging.replace(directory)
+        processes.wait_for_everyone()
     return directory / "model"
 
 
