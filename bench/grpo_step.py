@@ -79,6 +79,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--max-episode-tokens", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=2, help="GRPO steps per framework (the last is compared)")
+    parser.add_argument("--compare-precision", choices=("fp32", "bf16"), default="fp32",
+                        help="(b): bf16 = bf16 autocast over fp32 weights in both frameworks")
+    parser.add_argument("--lora-r", type=int, default=0, help="(b): LoRA rank on all linear layers; 0 = full")
+    parser.add_argument("--experiment", default=None,
+                        help="(b) on an experiment file's workload: its model, first training experience, "
+                             "tasks x group, turn and token limits, precision, LoRA and loss aggregation "
+                             "(e.g. experiments/quickstart.yaml)")
     # which parts
     parser.add_argument("--skip-a", action="store_true")
     parser.add_argument("--skip-b", action="store_true")
@@ -253,9 +260,10 @@ def contrail_worker(args) -> dict:
 
     rollout = RolloutConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
                             max_episode_tokens=args.max_episode_tokens, temperature=1.0)
-    trainer = grpo_trainer(policy.model, policy.tokenizer, "fp32", None, rollout, group_size=args.group,
-                           tasks_per_step=args.tasks,
-                           skip_zero_advantage=False)  # TRL updates on zero-advantage groups too: same work
+    lora = {"lora": True, "lora_r": args.lora_r} if args.lora_r else {}
+    trainer = grpo_trainer(policy.model, policy.tokenizer, args.compare_precision, None, rollout,
+                           group_size=args.group, tasks_per_step=args.tasks, aggregation=args.aggregation,
+                           skip_zero_advantage=False, **lora)  # TRL updates on zero-advantage groups too: same work
     steps = []
     for _ in range(args.steps):
         s = trainer.step(Fixed())
@@ -268,6 +276,7 @@ def contrail_worker(args) -> dict:
 def trl_worker(args) -> dict:
     """TRL's GRPOTrainer on the same tasks, with a multi-turn ``rollout_func`` over TRL's own generation."""
     from datasets import Dataset
+    from peft import LoraConfig
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
@@ -337,13 +346,17 @@ def trl_worker(args) -> dict:
         output_dir=output_dir, per_device_train_batch_size=args.tasks * args.group, gradient_accumulation_steps=1,
         num_generations=args.group, max_completion_length=args.max_episode_tokens, max_steps=args.steps,
         generation_kwargs={"max_new_tokens": args.max_new_tokens},  # per turn, as contrail's max_new_tokens
-        learning_rate=1e-6, beta=0.0, temperature=1.0, loss_type="dapo", num_iterations=1, max_grad_norm=1.0,
-        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0,
-        disable_tqdm=True, dataloader_num_workers=0,
+        learning_rate=1e-6, beta=0.0, temperature=1.0, loss_type=TRL_LOSS[args.aggregation], num_iterations=1,
+        max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True,
+        bf16=args.compare_precision == "bf16", seed=0, disable_tqdm=True, dataloader_num_workers=0,
     )
+    # contrail's LoRA defaults (alpha 32, no dropout, every linear layer), so both train the same parameters.
+    peft = (LoraConfig(r=args.lora_r, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear",
+                       task_type="CAUSAL_LM") if args.lora_r else None)
     clock = StepClock()
     trainer = GRPOTrainer(model=policy.model, reward_funcs=env_reward, args=config, train_dataset=dataset,
-                          processing_class=policy.tokenizer, rollout_func=rollout_func, callbacks=[clock])
+                          processing_class=policy.tokenizer, rollout_func=rollout_func, callbacks=[clock],
+                          peft_config=peft)
     trainer.train()
     begins = [t for kind, t in clock.marks if kind == "begin"]
     ends = [t for kind, t in clock.marks if kind == "end"]
@@ -355,6 +368,30 @@ def trl_worker(args) -> dict:
                       "episode_tokens_mean": timings["episode_tokens"][i], "turns_mean": timings["turns"][i],
                       "updated": True})
     return {"steps": steps, "peak_rss_mb": peak_rss_mb()}
+
+
+# contrail's loss aggregation -> TRL's loss_type with the same normalisation: "dapo" averages over
+# all of the batch's generated tokens, "grpo" over each sequence's tokens, then over sequences.
+TRL_LOSS = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
+
+
+def apply_experiment(args) -> None:
+    """Take (b)'s workload from an experiment file, so the comparison is that experiment's GRPO step."""
+    from contrail.experiment import load_experiment
+
+    experiment = load_experiment(args.experiment)
+    grpo, rollout = experiment.grpo, experiment.rollout
+    if grpo.aggregation not in TRL_LOSS:
+        raise SystemExit(f"{args.experiment}: grpo.aggregation {grpo.aggregation!r} has no TRL counterpart here "
+                         f"(choose one of {', '.join(TRL_LOSS)})")
+    args.compare_model = experiment.model.name
+    args.env = experiment.stream.train[0]
+    args.tasks, args.group = grpo.tasks_per_step, grpo.group_size
+    args.max_new_tokens, args.max_turns = rollout.max_new_tokens, rollout.max_turns or args.max_turns
+    args.max_episode_tokens = rollout.max_episode_tokens
+    args.compare_precision = grpo.precision
+    args.lora_r = grpo.lora_r if grpo.lora else 0
+    args.aggregation = grpo.aggregation
 
 
 def contrail_vs_trl(args, out) -> dict:
@@ -374,7 +411,8 @@ def contrail_vs_trl(args, out) -> dict:
     out.print(table(
         f"(b) one GRPO step, contrail vs TRL {trl.__version__} (rollout_func, multi-turn): {args.compare_model}, "
         f"{args.env}, {args.tasks} tasks x group {args.group}, {args.max_turns} turns x {args.max_new_tokens} "
-        f"tokens, temperature 1, fp32",
+        f"tokens, temperature 1, {args.compare_precision}, {f'LoRA r {args.lora_r}' if args.lora_r else 'full'}, "
+        f"{args.aggregation}",
         ["framework", "step", "step s", "rollout s", "update s", "generated tokens", "tokens/episode", "turns/episode",
          "peak RSS MiB"], rows))
     if all("error" not in r and r["steps"] for r in results.values()):
@@ -420,6 +458,9 @@ def require_cuda() -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    args.aggregation = "token-mean"
+    if args.experiment:
+        apply_experiment(args)
     if args.gpu:
         require_cuda()
         args.batch, args.seq_len = (16, 2048) if "--batch" not in sys.argv else (args.batch, args.seq_len)
