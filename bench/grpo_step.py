@@ -82,6 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compare-precision", choices=("fp32", "bf16"), default="fp32",
                         help="(b): bf16 = bf16 autocast over fp32 weights in both frameworks")
     parser.add_argument("--lora-r", type=int, default=0, help="(b): LoRA rank on all linear layers; 0 = full")
+    parser.add_argument("--frameworks", default="contrail,trl", help="(b): which to run, comma-separated")
     parser.add_argument("--experiment", default=None,
                         help="(b) on an experiment file's workload: its model, first training experience, "
                              "tasks x group, turn and token limits, precision, LoRA and loss aggregation "
@@ -261,7 +262,7 @@ def contrail_worker(args) -> dict:
     rollout = RolloutConfig(max_new_tokens=args.max_new_tokens, max_turns=args.max_turns,
                             max_episode_tokens=args.max_episode_tokens, temperature=1.0)
     lora = {"lora": True, "lora_r": args.lora_r} if args.lora_r else {}
-    trainer = grpo_trainer(policy.model, policy.tokenizer, args.compare_precision, None, rollout,
+    trainer = grpo_trainer(policy.model, policy.tokenizer, args.compare_precision, args.micro_batch_tokens, rollout,
                            group_size=args.group, tasks_per_step=args.tasks, aggregation=args.aggregation,
                            skip_zero_advantage=False, **lora)  # TRL updates on zero-advantage groups too: same work
     steps = []
@@ -392,13 +393,14 @@ def apply_experiment(args) -> None:
     args.compare_precision = grpo.precision
     args.lora_r = grpo.lora_r if grpo.lora else 0
     args.aggregation = grpo.aggregation
+    args.micro_batch_tokens = args.micro_batch_tokens or grpo.micro_batch_tokens
 
 
 def contrail_vs_trl(args, out) -> dict:
     import trl
 
     quiet = {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    results = {name: run_worker(args, name, quiet) for name in ("contrail", "trl")}
+    results = {name: run_worker(args, name, quiet) for name in args.frameworks.split(",")}
     rows = []
     for name, r in results.items():
         if "error" in r:
@@ -415,7 +417,7 @@ def contrail_vs_trl(args, out) -> dict:
         f"{args.aggregation}",
         ["framework", "step", "step s", "rollout s", "update s", "generated tokens", "tokens/episode", "turns/episode",
          "peak RSS MiB"], rows))
-    if all("error" not in r and r["steps"] for r in results.values()):
+    if set(results) == {"contrail", "trl"} and all("error" not in r and r["steps"] for r in results.values()):
         c, t = results["contrail"]["steps"][-1], results["trl"]["steps"][-1]
         results["trl_over_contrail_step"] = t["step_s"] / c["step_s"]
         results["trl_over_contrail_rss"] = results["trl"]["peak_rss_mb"] / results["contrail"]["peak_rss_mb"]

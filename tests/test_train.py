@@ -94,6 +94,34 @@ def test_lora_trains_only_adapters(tokenizer):
         assert changed == ("lora_" in name), name
 
 
+def test_full_weights_samples_from_the_lora_merged_model_and_restores_it(tokenizer):
+    """Inside `full_weights` a LoRA model runs its merged weights (no adapter products) with the same outputs;
+    on exit the base weights are back and the adapter is applied, and trains, as before."""
+    pytest.importorskip("peft")
+    from peft.tuners.lora import Linear as LoraLinear
+
+    model = tiny_model(tokenizer)
+    samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=4), tokenizer, use_cache=False)
+    trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=1e-2, lora=True, lora_r=4))
+    trainer.step(samples, cross_entropy_loss)  # a trained adapter (B is no longer zero)
+    ids = torch.tensor([samples[0].ids])
+    peft_model = trainer.unwrapped
+    with torch.no_grad():
+        unmerged = peft_model(input_ids=ids).logits
+    base = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" not in n}
+    with trainer.full_weights(), torch.no_grad():
+        merged = peft_model(input_ids=ids).logits
+        assert all(layer.merged for layer in peft_model.modules() if isinstance(layer, LoraLinear))
+    assert torch.allclose(merged, unmerged, atol=1e-5)
+    assert not any(layer.merged for layer in peft_model.modules() if isinstance(layer, LoraLinear))
+    for name, parameter in peft_model.named_parameters():
+        if name in base:
+            assert torch.allclose(parameter, base[name], atol=1e-6), name
+    with torch.no_grad():
+        assert torch.allclose(peft_model(input_ids=ids).logits, unmerged, atol=1e-5)
+    assert trainer.step(samples, cross_entropy_loss)["loss"] > 0
+
+
 def test_checkpoint_resume_continues_identically(tokenizer, tmp_path):
     samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=6), tokenizer, use_cache=False)
     config = TrainConfig(lr=1e-3, warmup_steps=4)

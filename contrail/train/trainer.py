@@ -365,32 +365,39 @@ class MaskedTokenTrainer:
 
     @contextlib.contextmanager
     def full_weights(self):
-        """Inside, every process holds the whole model, so its forwards need no other process.
+        """Inside, the model is ready to sample from: whole on every process, LoRA merged into its weights.
 
-        Sampling runs a different number of forwards on each process (its own
-        episodes), or on the main process alone (evaluation). Under FSDP a
-        forward gathers each block's shards from every process, so those
-        forwards would wait forever for processes doing something else. Under
-        FSDP2 the blocks are unsharded on entry (a collective: every process
-        enters together) and kept whole until the exit reshards them. Elsewhere
-        (one process, DDP) this does nothing. DeepSpeed ZeRO-3 is refused: its
-        parameters would have to be gathered with DeepSpeed's own API, which is
-        not wired here (sample with the vLLM backend there).
+        Every process enters together. Sampling runs a different number of
+        forwards on each process (its own episodes), or on the main process
+        alone (evaluation). Under FSDP a forward gathers each block's shards
+        from every process, so those forwards would wait forever for
+        processes doing something else: under FSDP2 the blocks are unsharded
+        on entry and kept whole until the exit reshards them. A LoRA adapter
+        is merged into the base weights on entry and taken out on exit, so a
+        sampled token costs one matrix product per layer, not three (PEFT's
+        unmerged forward adds ``x @ A @ B`` beside every linear layer). With
+        DDP or one process and no LoRA this does nothing. DeepSpeed ZeRO-3 is
+        refused: its parameters would have to be gathered with DeepSpeed's
+        own API, which is not wired here (sample with the vLLM backend there).
         """
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED and _zero3(self.accelerator):
             raise NotImplementedError(
                 "sampling from the trainer's model under DeepSpeed ZeRO-3 is not supported: use "
                 "rollout.backend: vllm, or the FSDP config (configs/accelerate/fsdp.yaml)")
         blocks = _fsdp_modules(self.model)
-        if not blocks:
-            yield
-            return
         for block in blocks:  # the same order on every process: model.modules() is deterministic
             block.unshard()
             block.set_reshard_after_forward(False, recurse=False)
+        lora = _lora_tuner(self.unwrapped)
+        if lora is not None:
+            with torch.no_grad():
+                lora.merge_adapter()
         try:
             yield
         finally:
+            if lora is not None:
+                with torch.no_grad():
+                    lora.unmerge_adapter()
             for block in blocks:
                 block.reshard()
                 # FSDP2 keeps the root unsharded after its forward (backward needs it at once).
@@ -524,6 +531,13 @@ def _fsdp_modules(model) -> list:
     from torch.distributed.fsdp import FSDPModule
 
     return [module for module in model.modules() if isinstance(module, FSDPModule)]
+
+
+def _lora_tuner(model):
+    """The PEFT LoRA tuner of ``model`` (what merges and unmerges its adapter), or None."""
+    from peft import PeftModel
+
+    return model.base_model if isinstance(model, PeftModel) else None
 
 
 def _zero3(accelerator) -> bool:
