@@ -110,6 +110,8 @@ def test_full_weights_samples_from_the_lora_merged_model_and_restores_it(tokeniz
         unmerged = peft_model(input_ids=ids).logits
     base = {n: p.detach().clone() for n, p in peft_model.named_parameters() if "lora_" not in n}
     with trainer.full_weights(), torch.no_grad():
+        with trainer.full_weights():  # nested (a collect inside an evaluation): the outer one restores
+            pass
         merged = peft_model(input_ids=ids).logits
         assert all(layer.merged for layer in peft_model.modules() if isinstance(layer, LoraLinear))
     assert torch.allclose(merged, unmerged, atol=1e-5)

@@ -248,6 +248,7 @@ class MaskedTokenTrainer:
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.global_step = 0          # optimizer steps taken (skipped ones not counted)
         self.nonfinite_streak = 0     # skipped steps in a row
+        self._sampling_depth = 0      # nesting of `full_weights` (only the outermost unshards and merges)
 
     # --- the one operation -----------------------------------------------------
     def step(self, samples: list[Sample], loss_fn: LossFn, normalizer: float | None = None) -> dict[str, float]:
@@ -384,6 +385,22 @@ class MaskedTokenTrainer:
             raise NotImplementedError(
                 "sampling from the trainer's model under DeepSpeed ZeRO-3 is not supported: use "
                 "rollout.backend: vllm, or the FSDP config (configs/accelerate/fsdp.yaml)")
+        if self._sampling_depth:  # nested (a collect inside an evaluation): the outermost one restores
+            self._sampling_depth += 1
+            try:
+                yield
+            finally:
+                self._sampling_depth -= 1
+            return
+        self._sampling_depth = 1
+        try:
+            with self._whole_and_merged():
+                yield
+        finally:
+            self._sampling_depth = 0
+
+    @contextlib.contextmanager
+    def _whole_and_merged(self):
         blocks = _fsdp_modules(self.model)
         for block in blocks:  # the same order on every process: model.modules() is deterministic
             block.unshard()
