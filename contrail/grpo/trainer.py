@@ -135,10 +135,11 @@ class GRPOTrainer:
         return self.masked_trainer.tokenizer
 
     def full_weights(self):
-        """A context in which every process holds the whole model (FSDP unshards it); every process enters.
+        """A context to sample in: the whole model on every process (FSDP unshards it), LoRA merged in.
 
-        Sampling from the model (rollouts, evaluation) happens inside it; see
-        `MaskedTokenTrainer.full_weights`.
+        Every process enters it together. `collect` and the runner's
+        evaluations sample inside it; a strategy that samples from the model
+        itself should too. See `MaskedTokenTrainer.full_weights`.
         """
         return self.masked_trainer.full_weights()
 

@@ -377,14 +377,13 @@ class MaskedTokenTrainer:
         is merged into the base weights on entry and taken out on exit, so a
         sampled token costs one matrix product per layer, not three (PEFT's
         unmerged forward adds ``x @ A @ B`` beside every linear layer). With
-        DDP or one process and no LoRA this does nothing. DeepSpeed ZeRO-3 is
-        refused: its parameters would have to be gathered with DeepSpeed's
-        own API, which is not wired here (sample with the vLLM backend there).
+        DDP or one process and no LoRA this does nothing. DeepSpeed ZeRO-3's
+        parameters are not gathered here (that needs DeepSpeed's own API, not
+        wired): there, sample with the vLLM backend, which is fed full weights.
         """
         if self.accelerator.distributed_type == DistributedType.DEEPSPEED and _zero3(self.accelerator):
-            raise NotImplementedError(
-                "sampling from the trainer's model under DeepSpeed ZeRO-3 is not supported: use "
-                "rollout.backend: vllm, or the FSDP config (configs/accelerate/fsdp.yaml)")
+            log.warning("DeepSpeed ZeRO-3: the model stays sharded while sampling, so the HF backend's forwards "
+                        "are collectives and may hang; use rollout.backend: vllm or configs/accelerate/fsdp.yaml")
         if self._sampling_depth:  # nested (a collect inside an evaluation): the outermost one restores
             self._sampling_depth += 1
             try:
