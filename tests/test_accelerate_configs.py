@@ -11,6 +11,7 @@ finish exactly as the uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
@@ -79,7 +81,20 @@ def launch(config_name: str, *argv: str, env: dict[str, str] | None = None, time
                "--num_processes", "2", "--main_process_port", str(free_port()), *argv]
     environment = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
                    **(env or {})}
-    done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # A launch that hangs (a collective nobody joins) is killed whole. Its workers lead sessions
+            # of their own, so killing `accelerate launch` alone would leave them spinning, holding the pipes.
+            launcher = psutil.Process(process.pid)
+            for worker in launcher.children(recursive=True) + [launcher]:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    worker.kill()
+            stdout, stderr = process.communicate()
+            pytest.fail(f"accelerate launch {' '.join(argv)} hung for {timeout} s\n{stderr[-6000:]}")
+    done = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return done
 
