@@ -152,14 +152,14 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
                      lambda entry: isinstance(entry.get("step"), int) and entry["step"] <= steps)
         _drop_stale_checkpoints(run_dir, done)
     evaluator = _make_evaluator(experiment, stream, show_progress)
-    with trainer.full_weights():  # drift's baseline: the whole weights, as its later measures see them
+    # One unshard (FSDP) and merge (LoRA) for both: drift's baseline takes the whole weights, as its
+    # later measures see them, and the main process evaluates row 0 alone, with no collectives.
+    with trainer.full_weights():
         tracker = _drift_tracker(run_dir, trainer) if experiment.eval.drift and processes.is_main_process else None
-    if done < 0:
-        with trainer.full_weights():  # the main process evaluates alone: no collectives in its forwards
-            if processes.is_main_process:
-                row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
-                results = _evaluate_start(evaluator, trainer, run_dir, experiment, stream, start_model, tracker)
-                _record(run_dir, 0, row0, [], results, {}, 0.0)
+        if done < 0 and processes.is_main_process:
+            row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
+            results = _evaluate_start(evaluator, trainer, run_dir, experiment, stream, start_model, tracker)
+            _record(run_dir, 0, row0, [], results, {}, 0.0)
     processes.wait_for_everyone()
     if processes.is_main_process:
         tracking.log_rows()  # row 0, or a resumed run's rows
