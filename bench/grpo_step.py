@@ -83,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="(b): bf16 = bf16 autocast over fp32 weights in both frameworks")
     parser.add_argument("--lora-r", type=int, default=0, help="(b): LoRA rank on all linear layers; 0 = full")
     parser.add_argument("--frameworks", default="contrail,trl", help="(b): which to run, comma-separated")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="(b): contrail checkpoints its update's activations (TRL's GRPOConfig does by default)")
     parser.add_argument("--experiment", default=None,
                         help="(b) on an experiment file's workload: its model, first training experience, "
                              "tasks x group, turn and token limits, precision, LoRA and loss aggregation "
@@ -264,6 +266,7 @@ def contrail_worker(args) -> dict:
     lora = {"lora": True, "lora_r": args.lora_r} if args.lora_r else {}
     trainer = grpo_trainer(policy.model, policy.tokenizer, args.compare_precision, args.micro_batch_tokens, rollout,
                            group_size=args.group, tasks_per_step=args.tasks, aggregation=args.aggregation,
+                           gradient_checkpointing=args.gradient_checkpointing,
                            skip_zero_advantage=False, **lora)  # TRL updates on zero-advantage groups too: same work
     steps = []
     for _ in range(args.steps):
@@ -394,6 +397,7 @@ def apply_experiment(args) -> None:
     args.lora_r = grpo.lora_r if grpo.lora else 0
     args.aggregation = grpo.aggregation
     args.micro_batch_tokens = args.micro_batch_tokens or grpo.micro_batch_tokens
+    args.gradient_checkpointing = args.gradient_checkpointing or grpo.gradient_checkpointing
 
 
 def contrail_vs_trl(args, out) -> dict:
@@ -414,7 +418,8 @@ def contrail_vs_trl(args, out) -> dict:
         f"(b) one GRPO step, contrail vs TRL {trl.__version__} (rollout_func, multi-turn): {args.compare_model}, "
         f"{args.env}, {args.tasks} tasks x group {args.group}, {args.max_turns} turns x {args.max_new_tokens} "
         f"tokens, temperature 1, {args.compare_precision}, {f'LoRA r {args.lora_r}' if args.lora_r else 'full'}, "
-        f"{args.aggregation}",
+        f"{args.aggregation}; activations checkpointed: contrail {'yes' if args.gradient_checkpointing else 'no'}, "
+        "TRL yes (its default)",
         ["framework", "step", "step s", "rollout s", "update s", "generated tokens", "tokens/episode", "turns/episode",
          "peak RSS MiB"], rows))
     if set(results) == {"contrail", "trl"} and all("error" not in r and r["steps"] for r in results.values()):

@@ -13,6 +13,7 @@ from contrail.envs.base import Task
 from contrail.grpo.config import GRPOConfig
 from contrail.grpo.trainer import GRPOTrainer, TooManyEpisodeErrors
 from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
+from contrail.train import checkpointed_prefix
 from contrail.train.trainer import CheckpointError, NonFiniteError
 
 
@@ -418,7 +419,10 @@ def test_checkpoints_are_tensors_and_json_and_a_crafted_pickle_is_refused(tmp_pa
     assert marker.exists()
 
 
-def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work():
+@pytest.mark.parametrize("checkpointing, lora", [(False, False), (True, False), (True, True)])
+def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work(checkpointing, lora):
+    if checkpointing and not checkpointed_prefix.supported():
+        pytest.skip("this transformers drops a checkpointed layer's cache")
     tokenizer = tiny_tokenizer()
     collector = grpo(tiny_model(tokenizer, seed=2), tokenizer, GRPOConfig(group_size=4, tasks_per_step=2))
     trajectories = collector.collect(train_tasks()[:2])
@@ -426,7 +430,8 @@ def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work():
         trajectory.reward = float(index % 2)  # every group has signal
     results = []
     for share in (True, False):
-        config = GRPOConfig(lr=1e-2, group_size=4, tasks_per_step=2, share_prefix=share, ppo_epochs=2)
+        config = GRPOConfig(lr=1e-2, group_size=4, tasks_per_step=2, share_prefix=share, ppo_epochs=2,
+                            gradient_checkpointing=checkpointing, lora=lora)
         trainer = grpo(tiny_model(tokenizer, seed=3), tokenizer, config)
         prefixes: list[int] = []
 
@@ -442,4 +447,5 @@ def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work():
     assert min(shared_prefixes) >= 16 and set(plain_prefixes) == {0}  # the group's prompt was forwarded once
     assert shared["loss"] == pytest.approx(plain["loss"], abs=1e-5)
     assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
-    torch.testing.assert_close(shared_weights, plain_weights, rtol=0, atol=1e-5)
+    # Adam at lr 1e-2 turns rounding in LoRA's small gradients into weight differences of ~1e-5
+    torch.testing.assert_close(shared_weights, plain_weights, rtol=0, atol=5e-5 if lora else 1e-5)

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from contrail.train import checkpointed_prefix
 from contrail.train.logprobs import selective_logprobs, sequence_logprobs, token_entropy
 
 
@@ -207,6 +208,42 @@ def test_shared_prefix_forward_gives_the_plain_forward_values_and_gradients(tiny
     for name, grad in plain_grads.items():
         torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
     tiny_llama.zero_grad(set_to_none=True)
+
+
+@pytest.mark.skipif(not checkpointed_prefix.supported(), reason="this transformers drops a checkpointed layer's cache")
+def test_shared_prefix_under_gradient_checkpointing_gives_the_plain_values_and_gradients(tiny_llama):
+    ids, attention = _shared_prefix_batch()
+    layer_calls = []
+    # A layer's own hooks stay outside the checkpoint; its MLP's run again when the backward replays it.
+    hooks = [layer.mlp.register_forward_pre_hook(lambda module, args: layer_calls.append(1))
+             for layer in tiny_llama.model.layers]
+    checkpointed_prefix.enable_checkpointing(tiny_llama)
+    tiny_llama.train()
+    results = []
+    try:
+        for shared in (0, 6):
+            tiny_llama.zero_grad(set_to_none=True)
+            layer_calls.clear()
+            logprobs, entropy = sequence_logprobs(tiny_llama, ids, attention, start=7, return_entropy=True,
+                                                  shared_prefix=shared)
+            values = logprobs + entropy
+            (values * torch.linspace(0.5, 1.5, ids.shape[1])).sum().backward()
+            results.append((values.detach(), {n: p.grad.clone() for n, p in tiny_llama.named_parameters()},
+                            len(layer_calls)))
+    finally:
+        getattr(tiny_llama, "activation_checkpointing_disable", tiny_llama.gradient_checkpointing_disable)()
+        tiny_llama.eval()
+        for hook in hooks:
+            hook.remove()
+        tiny_llama.zero_grad(set_to_none=True)
+    (plain, plain_grads, plain_calls), (shared, shared_grads, shared_calls) = results
+    layers = len(tiny_llama.model.layers)
+    assert plain_calls == 2 * layers  # checkpointing really replayed every layer in the backward
+    assert shared_calls == 3 * layers  # the prefix once, unreplayed; the rows' part forward and replay
+    torch.testing.assert_close(shared, plain, rtol=0, atol=1e-5)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert all(not getattr(m, "gradient_checkpointing", False) for m in tiny_llama.modules())
 
 
 def test_shared_prefix_forward_runs_the_prefix_once(tiny_llama):

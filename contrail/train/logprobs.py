@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from contrail.models import forward_accepts
+from contrail.train import checkpointed_prefix
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "selective_logprobs", "sequence_logprobs", "token_entropy"]
 
@@ -118,8 +119,9 @@ def sequence_logprobs(
             the rows' own tokens. The result is the same (up to
             floating-point rounding) and gradients flow through the shared
             forward; it saves ``(batch - 1) * P`` tokens of forward and
-            backward. Needs a model that returns its KV cache in training
-            (not gradient checkpointing) and rows padded only on the right.
+            backward. Needs rows padded only on the right, and under
+            gradient checkpointing a transformers that can checkpoint a
+            layer reading a cache (`contrail.train.checkpointed_prefix`).
 
     Returns:
         ``logprobs`` ``(batch, L)`` fp32, or ``(logprobs, entropies)``.
@@ -161,7 +163,8 @@ def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: 
     """The last ``keep`` positions' logits of one plain forward."""
     # Same position ids as generation with left padding (cumsum of the mask).
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+              "use_cache": False}  # scoring builds no KV cache
     if _right_padded(attention_mask):
         # Causal attention already keeps real tokens from seeing trailing pads, so the
         # mask can go: attention then takes its fused causal kernel instead of the
@@ -177,14 +180,23 @@ def _shared_prefix_logits(model, input_ids: torch.Tensor, prefix: int, keep: int
     seeing pads (as in `_logits`): no mask is needed past the prefix either.
     """
     batch, length = input_ids.shape
-    head = model(**_keep_logits(model, {"input_ids": input_ids[:1, :prefix], "use_cache": True}, 1))
+    # Under gradient checkpointing the prefix (one row) runs unreplayed, so its layers keep the cache, and
+    # the rows' layers are replayed reading that cache, read-only (`contrail.train.checkpointed_prefix`).
+    layers = checkpointed_prefix.checkpointing_modules(model) if torch.is_grad_enabled() and model.training else []
+    with checkpointed_prefix.checkpointing_paused(layers):
+        head = model(**_keep_logits(model, {"input_ids": input_ids[:1, :prefix], "use_cache": True}, 1))
     cache = head.cache if getattr(head, "cache", None) is not None else head.past_key_values
     cache.batch_repeat_interleave(batch)  # the prefix's keys and values for every row (gradients sum back)
+    if layers:
+        cache = checkpointed_prefix.read_only(cache)
     positions = torch.arange(prefix, length, device=input_ids.device).expand(batch, -1)
     # transformers 5 renamed ``past_key_values`` to ``cache``; accept both.
     cache_arg = "cache" if forward_accepts(model, "cache") else "past_key_values"
-    kwargs = {"input_ids": input_ids[:, prefix:], "position_ids": positions, cache_arg: cache, "use_cache": True}
-    return model(**_keep_logits(model, kwargs, keep)).logits
+    # Checkpointed, the rows' layers read the given cache without ``use_cache`` (which they would drop, warning).
+    kwargs = {"input_ids": input_ids[:, prefix:], "position_ids": positions, cache_arg: cache,
+              "use_cache": not layers}
+    with checkpointed_prefix.reading_cache_under_checkpointing(layers):
+        return model(**_keep_logits(model, kwargs, keep)).logits
 
 
 def _keep_logits(model, kwargs: dict, keep: int) -> dict:

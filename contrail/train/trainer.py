@@ -38,6 +38,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType
 
 from contrail.seeds import check_seed, derive_seed
+from contrail.train import checkpointed_prefix
 from contrail.train.config import TrainConfig
 
 log = logging.getLogger("contrail.train")
@@ -239,7 +240,7 @@ class MaskedTokenTrainer:
         if config.lora:
             model = _apply_lora(model, config)
         if config.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpointed_prefix.enable_checkpointing(model)
             model.config.use_cache = False
         parameters = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
@@ -311,13 +312,14 @@ class MaskedTokenTrainer:
     def share_prefix(self) -> bool:
         """Whether micro-batches forward their rows' shared prefix once (`sequence_logprobs(shared_prefix=)`).
 
-        ``config.share_prefix``, in one process without gradient checkpointing: the shared
-        forward calls the model twice before one backward, which
-        data-parallel wrappers do not allow, and checkpointed models return
-        no KV cache in training.
+        ``config.share_prefix``, in one process: the shared forward calls the
+        model twice before one backward, which data-parallel wrappers do not
+        allow. Under gradient checkpointing only where transformers can keep
+        a checkpointed layer's (read-only) cache (`contrail.train.checkpointed_prefix`).
         """
         config = self.config
-        return config.share_prefix and self.accelerator.num_processes == 1 and not config.gradient_checkpointing
+        checkpointing_ok = not config.gradient_checkpointing or checkpointed_prefix.supported()
+        return config.share_prefix and self.accelerator.num_processes == 1 and checkpointing_ok
 
     def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         """``samples``' indices packed into micro-batches of at most ``micro_batch_tokens`` forwarded tokens."""
