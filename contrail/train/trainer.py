@@ -27,6 +27,7 @@ import logging
 import math
 import pickle
 import random
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -216,7 +217,10 @@ def _apply_lora(model, config: TrainConfig):
 
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=config.lora_target_modules, task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    with warnings.catch_warnings():
+        # PEFT reads transformers' deprecated ``is_gradient_checkpointing``: a warning users cannot act on.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated", category=FutureWarning)
+        return get_peft_model(model, lora)
 
 
 class MaskedTokenTrainer:
