@@ -246,6 +246,20 @@ def test_shared_prefix_under_gradient_checkpointing_gives_the_plain_values_and_g
     assert all(not getattr(m, "gradient_checkpointing", False) for m in tiny_llama.modules())
 
 
+def test_shared_prefix_under_checkpointing_refuses_a_transformers_that_would_drop_its_cache(tiny_llama, monkeypatch):
+    monkeypatch.setattr(checkpointed_prefix, "supported", lambda: False)  # as an older transformers
+    ids, attention = _shared_prefix_batch()
+    checkpointed_prefix.enable_checkpointing(tiny_llama)
+    tiny_llama.train()
+    try:
+        with pytest.raises(ValueError, match="needs a transformers whose checkpointed layers"):
+            sequence_logprobs(tiny_llama, ids, attention, start=7, shared_prefix=6)
+        sequence_logprobs(tiny_llama, ids, attention, start=7)  # without sharing it still scores
+    finally:
+        getattr(tiny_llama, "activation_checkpointing_disable", tiny_llama.gradient_checkpointing_disable)()
+        tiny_llama.eval()
+
+
 def test_shared_prefix_forward_runs_the_prefix_once(tiny_llama):
     ids, attention = _shared_prefix_batch()
     fed = []

@@ -183,6 +183,9 @@ def _shared_prefix_logits(model, input_ids: torch.Tensor, prefix: int, keep: int
     # Under gradient checkpointing the prefix (one row) runs unreplayed, so its layers keep the cache, and
     # the rows' layers are replayed reading that cache, read-only (`contrail.train.checkpointed_prefix`).
     layers = checkpointed_prefix.checkpointing_modules(model) if torch.is_grad_enabled() and model.training else []
+    if layers and not checkpointed_prefix.supported():  # its checkpointed layers would drop the prefix's cache
+        raise ValueError("shared_prefix under gradient checkpointing needs a transformers whose checkpointed layers "
+                         "can keep a read-only cache (GradientCheckpointingLayer._can_checkpoint_with_cache)")
     with checkpointed_prefix.checkpointing_paused(layers):
         head = model(**_keep_logits(model, {"input_ids": input_ids[:1, :prefix], "use_cache": True}, 1))
     cache = head.cache if getattr(head, "cache", None) is not None else head.past_key_values
