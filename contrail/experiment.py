@@ -159,7 +159,8 @@ class ModelSpec:
 class StreamSpec:
     """Experiences to train (in order) and to test; ``test`` empty = the training ones.
 
-    ``steps_per_experience`` is each training experience's GRPO budget;
+    ``steps_per_experience`` is each training experience's GRPO budget, and
+    ``steps`` overrides it for some (``{babyai:easy: 6}``);
     ``train_tasks``/``test_tasks`` cap the task lists (``null`` = all), chosen
     with ``task_seed`` so every training seed sees the same tasks;
     ``env_options`` maps an environment name to its constructor options.
@@ -170,6 +171,7 @@ class StreamSpec:
     train_tasks: int | None = None
     test_tasks: int | None = 20
     steps_per_experience: int = 10
+    steps: dict[str, int] = field(default_factory=dict)
     env_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     task_seed: int = 0
 
@@ -178,6 +180,9 @@ class StreamSpec:
             raise ValueError("train must list at least one experience spec (e.g. [textcraft:easy])")
         _specs(self, "train", "test")
         _at_least(self, 1, "steps_per_experience", "train_tasks", "test_tasks")
+        for spec, steps in self.steps.items():
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                raise ValueError(f"steps.{spec} must be an integer >= 1, got {steps!r}")
         for name, options in self.env_options.items():
             if not isinstance(options, dict):
                 raise ValueError(f"env_options.{name} must be a mapping of option: value, got {options!r}")
@@ -759,6 +764,24 @@ def _check_strategy(exp: Experiment, where: Callable[[str], str]) -> None:
         key = f"strategy.options.{option}" if option else "strategy.options"
         raise ConfigError(f"{where(key)}: {key}: {_first_line(error)}") from None
     _check_weights(exp, where)
+    _check_steps(exp, where)
+
+
+def _trainable(exp: Experiment) -> set[str]:
+    """Every spec some run of ``exp`` trains: ``stream.train`` and the specs of its ``orders``."""
+    trainable = set(exp.stream.train)
+    if isinstance(exp.orders, list):
+        trainable |= {s for order in exp.orders for s in order}
+    return trainable
+
+
+def _check_steps(exp: Experiment, where: Callable[[str], str]) -> None:
+    """``stream.steps`` names training experiences only."""
+    trainable = _trainable(exp)
+    for name in exp.stream.steps:
+        if name not in trainable:
+            key = f"stream.steps.{name}"
+            raise ConfigError(f"{where(key)}: {key}: not a training experience; valid: {', '.join(sorted(trainable))}")
 
 
 def _check_weights(exp: Experiment, where: Callable[[str], str]) -> None:
@@ -766,9 +789,7 @@ def _check_weights(exp: Experiment, where: Callable[[str], str]) -> None:
     weights = exp.strategy.options.get("weights")
     if not isinstance(weights, dict):
         return
-    trainable = set(exp.stream.train)
-    if isinstance(exp.orders, list):
-        trainable |= {s for order in exp.orders for s in order}
+    trainable = _trainable(exp)
     for name in weights:
         if name not in trainable:
             key = f"strategy.options.weights.{name}"
@@ -781,7 +802,7 @@ def _check_weights(exp: Experiment, where: Callable[[str], str]) -> None:
 def build_stream(exp: Experiment, cache: dict[str, Experience] | None = None) -> Stream:
     """The run's stream: ``stream.train`` in order, ``stream.test`` (or the training ones).
 
-    Each experience's budget is ``stream.steps_per_experience``; its tasks are
+    Each experience's budget is ``stream.steps`` for it, else ``stream.steps_per_experience``; its tasks are
     capped by ``train_tasks``/``test_tasks`` with ``task_seed``. ``cache``
     (spec → Experience) shares task lists between the runs of one family.
     """
@@ -791,8 +812,8 @@ def build_stream(exp: Experiment, cache: dict[str, Experience] | None = None) ->
     def get(spec: str) -> Experience:
         if spec not in cache:
             options = s.env_options.get(envs.parse_spec(spec)[0])  # the env's name, whatever the spec's shape
-            cache[spec] = Experience.from_spec(spec, s.train_tasks, s.test_tasks, s.steps_per_experience,
-                                               s.task_seed, options)
+            steps = s.steps.get(spec, s.steps_per_experience)
+            cache[spec] = Experience.from_spec(spec, s.train_tasks, s.test_tasks, steps, s.task_seed, options)
         return cache[spec]
 
     return Stream([get(spec) for spec in s.train], [get(spec) for spec in (s.test or s.train)])

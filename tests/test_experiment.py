@@ -234,6 +234,10 @@ def test_check_catches_what_python_construction_cannot(tmp_path):
      r"strategy.options.steps_per_experience: moved: set stream.steps_per_experience"),
     (BASIC + "strategy: {name: mixture, options: {weights: {tiny-c:easy: 1}}}\n",
      r"strategy.options.weights.tiny-c:easy: not a training experience; valid: tiny-a:easy, tiny-b:easy"),
+    (BASIC.replace("steps_per_experience: 3", "steps: {tiny-c:easy: 2}"),
+     r"exp.yaml: stream.steps.tiny-c:easy: not a training experience; valid: tiny-a:easy, tiny-b:easy"),
+    (BASIC.replace("steps_per_experience: 3", "steps: {tiny-a:easy: 0}"),
+     r"exp.yaml: stream.steps.tiny-a:easy: must be an integer >= 1, got 0"),
     (BASIC.replace("lr: 1e-6", "lr: fast"),
      r"exp.yaml: grpo.lr: expected a number, got str 'fast'"),
     (BASIC.replace("group_size: 2", "group_size: 1"), r"exp.yaml: grpo.group_size: must be >= 2"),
@@ -423,6 +427,19 @@ def test_build_stream_and_strategy(tmp_path):
     assert [len(e.train_tasks) for e in stream.train] == [10, 4]  # tiny-b has only 4 train tasks per level
     strategy = build_strategy(exp)
     assert isinstance(strategy, Replay) and strategy.steps_per_experience == 3
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "replay", "mixture"])
+def test_per_experience_steps_override_the_streams_budget(tmp_path, strategy):
+    exp = load_experiment(write(tmp_path, BASIC.replace("steps_per_experience: 3",
+                                                        "steps_per_experience: 3\n  steps: {tiny-a:easy: 5}")),
+                          [f"strategy={strategy}"])
+    assert [e.steps for e in build_stream(exp).train] == [5, 3]
+    text = describe_plan(exp)
+    if strategy == "mixture":  # one stage, the experiences' budgets summed
+        assert "stage 1 mixture: 8 steps" in text
+    else:
+        assert "stage 1 tiny-a:easy: 5 steps" in text and "stage 2 tiny-b:easy: 3 steps" in text
 
 
 def test_describe_plan(tmp_path):

@@ -35,12 +35,39 @@ def test_listing_the_default_tasks_starts_no_engine(monkeypatch):
 SAMPLE = (0, 4, 7, 11, 21, 22, 23, 31, 39, 6, 15, 25, 27)
 
 
+def _sample(table, size=12):
+    """Up to ``size`` ids the table covers, half of them unsolved (both answers get checked)."""
+    covered = [i for i in range(table.first, table.first + table.covers) if table.answers(i, table.max_turns)]
+    unsolved = [i for i in covered if i in table.unsolved][: size // 2]
+    solved = [i for i in covered if i not in table.unsolved][: size - len(unsolved)]
+    return unsolved + solved
+
+
 def test_the_table_is_what_the_expert_does():
     table = solvable.TABLE
     assert (table.cache_version, table.max_turns) == (solvable.SOLVABLE_CACHE_VERSION, 20)
     played = {task_id: solvable.expert_solves(task_id, 20) for task_id in SAMPLE}
     assert played == {task_id: task_id not in table.unsolved for task_id in SAMPLE}
     assert not all(played.values()) and any(played.values())
+
+
+@pytest.mark.parametrize("index", range(1, len(solvable.TABLES)))
+def test_every_other_shipped_table_is_what_the_expert_does(index):
+    table = solvable.TABLES[index]
+    assert table.cache_version == solvable.SOLVABLE_CACHE_VERSION
+    sample = _sample(table)
+    played = {task_id: solvable.expert_solves(task_id, table.max_turns) for task_id in sample}
+    assert played == {task_id: task_id not in table.unsolved for task_id in sample}
+    assert not all(played.values()) and any(played.values())
+
+
+def test_listing_the_quickstarts_babyai_tasks_starts_no_engine(monkeypatch):
+    """The quickstart's settings (3 turns, training tasks filtered, 40 train seeds) come from the tables."""
+    monkeypatch.setattr(levels, "make_level", no_engine)
+    monkeypatch.setattr(solvable, "expert_solves", no_engine)
+    env = make("babyai", max_turns=3, filter_train=True, train_seeds=40)
+    train, test = env.tasks("train", "easy"), env.tasks("test", "easy")
+    assert 0 < len(test) < 220 and 0 < len(train) < 880  # 22 easy levels x 10 test / 40 train seeds
 
 
 def test_other_settings_play_the_expert_once_and_cache_the_answers(tmp_path, monkeypatch):
