@@ -23,7 +23,7 @@ from pathlib import Path
 
 import minigrid
 
-from contrail.envs.babyai.levels import TRAIN_SEED_START, task_difficulty
+from contrail.envs.babyai.levels import LEVELS, TRAIN_SEED_START, task_difficulty
 from contrail.envs.base import Task
 from contrail.paths import cache_root
 
@@ -50,9 +50,13 @@ class Table:
     def answers(self, task_id: int, max_turns: int) -> bool:
         """Whether this table holds the answer for ``task_id`` at ``max_turns`` on the installed minigrid."""
         key = (SOLVABLE_CACHE_VERSION, minigrid.__version__, max_turns)
-        return ((self.cache_version, self.minigrid, self.max_turns) == key
-                and self.first <= task_id < self.first + self.covers
-                and self.difficulty in (None, task_difficulty(task_id)))
+        return (self.cache_version, self.minigrid, self.max_turns) == key and _covered(
+            task_id, self.first, self.covers, self.difficulty)
+
+
+def _covered(task_id: int, first: int, covers: int, difficulty: str | None) -> bool:
+    """Whether a table over ids ``first .. first + covers - 1`` (of ``difficulty``, if set) holds ``task_id``."""
+    return first <= task_id < first + covers and difficulty in (None, task_difficulty(task_id))
 
 
 # The default test split, answered without playing: ``python -m contrail.envs.babyai.solvable``
@@ -93,8 +97,8 @@ TABLE_3_TURNS_TRAIN = Table(
     cache_version=2,
     minigrid="3.2.0",
     max_turns=3,
-    first=TRAIN_SEED_START * 40,
-    covers=40 * 40,
+    first=TRAIN_SEED_START * len(LEVELS),
+    covers=40 * len(LEVELS),
     difficulty="easy",
     unsolved=frozenset(
         (
@@ -147,7 +151,7 @@ def expert_solves(task_id: int, max_turns: int) -> bool:
 
 
 def solvable(task_ids: list[int], max_turns: int) -> dict[int, bool]:
-    """``{id: expert_solves(id, max_turns)}``, from `TABLE` or cached in memory and on disk."""
+    """``{id: expert_solves(id, max_turns)}``, from `TABLES` or cached in memory and on disk."""
     for task_id in task_ids:
         table = next((t for t in TABLES if t.answers(task_id, max_turns)), None)
         if table is not None:
@@ -195,7 +199,7 @@ def _save_cache() -> None:
 
 def _print_table(max_turns: int = 20, first: int = 0, covers: int = 400, difficulty: str | None = None) -> None:
     """Play the expert on the ids a `Table` of these settings covers and print its ``unsolved`` set."""
-    ids = [i for i in range(first, first + covers) if difficulty in (None, task_difficulty(i))]
+    ids = [i for i in range(first, first + covers) if _covered(i, first, covers, difficulty)]
     unsolved = [task_id for task_id in ids if not expert_solves(task_id, max_turns)]
     print(f"# cache_version={SOLVABLE_CACHE_VERSION}, minigrid={minigrid.__version__}, max_turns={max_turns}")
     print(f"covers={covers}, first={first}, difficulty={difficulty!r},")
