@@ -155,7 +155,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     trajectories.unlink(missing_ok=True)
     start = time.perf_counter()
     results = evaluate(policy.backend, policy.chat, task_lists, env_factory(experiences), k=args.k,
-                       config=config, batch_episodes=args.batch_episodes, trajectories_path=trajectories)
+                       config=config, batch_episodes=args.batch_episodes, trajectories_path=trajectories,
+                       seed=args.seed)
     wall = time.perf_counter() - start
     print_results(results, title=f"{args.model} on {args.split} tasks (k={args.k}, {wall:.0f} s)")
     summary = {"model": args.model, "split": args.split, "k": args.k, "wall_seconds": wall,

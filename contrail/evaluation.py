@@ -29,6 +29,7 @@ from contrail.agent.rollout import RolloutConfig, Trajectory, rollout
 from contrail.envs.base import Env, Task
 from contrail.policy import Policy
 from contrail.progress import EpisodeProgress
+from contrail.seeds import derive_seed
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,11 @@ def summarize(trajectories: list[Trajectory], k: int) -> EvalResult:
     )
 
 
+def episode_seed(seed: int, task: Task, sample: int) -> int:
+    """The sampling seed of sample ``sample`` of ``task`` in an evaluation seeded ``seed``."""
+    return derive_seed(seed, task.env, task.id, sample)
+
+
 def _interleave(experiences: dict[str, list[Task]], k: int) -> list[tuple[str, Task, int]]:
     """Every (experience, task, sample), round-robin over experiences, first samples first.
 
@@ -109,8 +115,16 @@ def evaluate(
     description: str = "evaluating",
     show_progress: bool = True,
     episodes: dict[str, list[Trajectory]] | None = None,
+    seed: int | None = None,
 ) -> dict[str, EvalResult]:
     """Play every task of every experience ``k`` times; return results keyed by experience name.
+
+    With ``seed``, sample ``j`` of a task samples from its own streams,
+    seeded by ``derive_seed(seed, task.env, task.id, j)`` (`episode_seed`):
+    its episode is the same whatever shares its batch (other experiences,
+    ``batch_episodes``), and two models evaluated with one seed see the same
+    random numbers, token by token, so their difference on a task is the
+    models' (common random numbers). Without it, the backend's own generator.
 
     Episodes of all experiences are interleaved into batches of
     ``batch_episodes``, so different environments share each generation.
@@ -131,10 +145,11 @@ def evaluate(
         with EpisodeProgress(len(jobs), description, enabled=show_progress) as progress:
             for start in range(0, len(jobs), batch_episodes):
                 batch = jobs[start:start + batch_episodes]
+                seeds = [episode_seed(seed, task, sample) for _, task, sample in batch] if seed is not None else None
                 trajectories = rollout(
                     backend, chat, [job[1] for job in batch], make_env, config,
                     samples=[job[2] for job in batch], on_turn=progress.turn_done,
-                    on_episode=lambda traj: progress.episode_done(traj.success),
+                    on_episode=lambda traj: progress.episode_done(traj.success), seeds=seeds,
                 )
                 # Written after the batch, in job order: only the job knows which experience an episode is for.
                 for job, traj in zip(batch, trajectories, strict=True):
@@ -171,9 +186,11 @@ def preserved_rng() -> Iterator[None]:
 class Evaluator:
     """Evaluates a model on fixed tasks per experience, sampling from the same seed on every call.
 
-    Every call plays the same episodes (``tasks`` x ``k``) from a fresh
-    sampling generator seeded with ``seed``, so two rows differ because the
-    model changed, not because the sampling did. The global random state is
+    Every call plays the same episodes (``tasks`` x ``k``), each sampling
+    from its own streams seeded from ``seed`` (`episode_seed`): two rows see
+    the same random numbers, token by token, so they differ because the
+    model changed, not because the sampling did, and a task's episode does
+    not depend on what else shares its batch. The global random state is
     left as it was (`preserved_rng`).
 
     Args:
@@ -210,6 +227,6 @@ class Evaluator:
                 return evaluate(policy.backend, policy.chat, self.tasks, self.make_env, k=self.k,
                                 config=self.rollout, batch_episodes=self.batch_episodes,
                                 trajectories_path=trajectories_path, description=description,
-                                show_progress=self.show_progress, episodes=episodes)
+                                show_progress=self.show_progress, episodes=episodes, seed=self.seed)
         finally:
             model.train(was_training)

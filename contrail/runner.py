@@ -447,7 +447,8 @@ def _start_evaluation_key(experiment: Experiment, stream: Stream, start_model: s
         test=[(e.name, e.test_tasks) for e in stream.test],
         env_options={e.name: e.env_options for e in stream.experiences},
         rollout=experiment.eval_rollout, k=experiment.eval.k, batch_episodes=experiment.eval.batch_episodes,
-        seed=derive_seed(experiment.seed, "eval"), precision=experiment.grpo.precision,
+        seed=derive_seed(experiment.seed, "eval"), sampling="per-episode streams",  # `evaluation.episode_seed`
+        precision=experiment.grpo.precision,
         dtype=experiment.model.dtype, device=experiment.model.device,
         lora=[experiment.grpo.lora, experiment.grpo.lora_r, experiment.grpo.lora_target_modules],
     )

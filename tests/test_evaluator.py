@@ -102,3 +102,24 @@ def test_preserved_rng_restores_even_after_an_error():
 def test_summarize_of_no_episodes_is_nan_not_an_error():
     result = summarize([], k=2)
     assert result.tasks == 0 and result.errors == 0 and np.isnan(result.avg_at_k)
+
+
+def test_an_experiences_episodes_do_not_depend_on_what_shares_their_batches():
+    """Each episode samples from its own seeded streams: evaluating an experience alone or beside
+    another, in batches of any size, plays the same episodes (a stage-1-only run and a full run agree)."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer, seed=2)
+    rollout = RolloutConfig(max_new_tokens=4, max_episode_tokens=256, temperature=1.0)
+    magic = envs.make("magic").tasks("test", "easy")[:4]
+    berry = envs.make("magic-berry").tasks("test", "easy")[:3]
+
+    def magic_episodes(tasks, batch_episodes, seed=5):
+        played: dict = {}
+        Evaluator(tasks, factory, rollout, k=2, batch_episodes=batch_episodes, seed=seed,
+                  show_progress=False)(model, tokenizer, episodes=played)
+        return [(t.task.id, t.sample, t.ids) for t in played["magic:easy"]]
+
+    alone = magic_episodes({"magic:easy": magic}, batch_episodes=8)
+    beside = magic_episodes({"magic-berry:easy": berry, "magic:easy": magic}, batch_episodes=5)
+    assert sorted(alone) == sorted(beside)
+    assert sorted(alone) != sorted(magic_episodes({"magic:easy": magic}, batch_episodes=8, seed=6))

@@ -338,3 +338,54 @@ def test_new_parts_of_very_different_lengths_are_prefilled_in_buckets_with_the_s
     assert [t.ids for t in bucketed] == [t.ids for t in plain]
     for a, b in zip(bucketed, plain):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_per_episode_seeds_make_an_episode_independent_of_its_batch(tokenizer, chat, random_policy):
+    model, _ = random_policy
+    config = RolloutConfig(max_new_tokens=4, max_episode_tokens=256, temperature=1.0)
+    tasks = easy_tasks(3)
+
+    def play(indices, seeds):
+        backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=0)
+        return rollout(backend, chat, [tasks[i] for i in indices], lambda t: MagicWordEnv(), config, seeds=seeds)
+
+    together = play([0, 1, 2], [10, 11, 12])
+    alone = play([1], [11])
+    reordered = play([2, 1], [12, 11])
+    assert max(t.turns for t in together) > 1  # later turns, from the kept cache, are covered too
+    assert together[1].ids == alone[0].ids == reordered[1].ids
+    assert together[2].ids == reordered[0].ids
+    assert together[1].logprobs == pytest.approx(alone[0].logprobs, abs=1e-4)
+    # Without them, the backend's one generator serves the batch in order: the batch moves the draws.
+    shared = [rollout(HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=0), chat,
+                      [tasks[i] for i in indices], lambda t: MagicWordEnv(), config) for indices in ([0, 1], [1])]
+    assert shared[0][1].ids != shared[1][0].ids
+
+
+def test_one_seed_gives_two_nearby_models_mostly_the_same_samples(tokenizer, chat, random_policy):
+    """Common random numbers: a small change of the weights changes few sampled ids under one seed."""
+    model, _ = random_policy
+    nudged = tiny_model(tokenizer, seed=1)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for parameter in nudged.parameters():
+            parameter.add_(0.02 * parameter.std() * torch.randn(parameter.shape, generator=generator))
+    prompts = [tokenizer(f"task {i}:", add_special_tokens=False)["input_ids"] for i in range(16)]
+    params = SamplingParams(max_new_tokens=1, temperature=1.0)
+
+    def first_ids(net, seeds):
+        backend = HFBackend(net, chat.stop_ids, tokenizer.pad_token_id, seed=0)
+        return [g.ids[0] for g in backend.generate(prompts, params, seeds=seeds)]
+
+    seeds = list(range(100, 116))
+    coupled = sum(a == b for a, b in zip(first_ids(model, seeds), first_ids(nudged, seeds)))
+    independent = sum(a == b for a, b in zip(first_ids(model, seeds), first_ids(nudged, list(range(200, 216)))))
+    assert coupled >= 14 and independent <= 4, (coupled, independent)
+
+
+def test_seeds_must_match_the_prompts(tokenizer, chat, random_policy):
+    _, backend = random_policy
+    with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+        backend.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), seeds=[1, 2])
+    with pytest.raises(ValueError, match="1 seeds for 2 tasks"):
+        rollout(backend, chat, easy_tasks(2), lambda t: MagicWordEnv(), seeds=[1])

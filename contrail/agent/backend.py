@@ -50,9 +50,17 @@ class Generation:
 
 
 class Backend(Protocol):
-    """What the rollout needs from a generator."""
+    """What the rollout needs from a generator.
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+    ``seeds``, when given, holds one sampling seed per prompt: each
+    continuation is then drawn from its own seeded stream, so it depends on
+    its prompt, its seed and the weights only, never on the other prompts of
+    the call (up to floating-point rounding, which a batch's shape can move).
+    Without them a backend samples from its own generator.
+    """
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Generation]: ...
 
 
 def sync_after_update(backend, model) -> None:
@@ -67,6 +75,20 @@ def prepare_update(backend) -> None:
     prepare = getattr(backend, "prepare_update", None)
     if prepare is not None:
         prepare()
+
+
+def row_uniforms(seeds: list[int], steps: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``steps`` uniform numbers for each seed, shape ``(len(seeds), steps)``: row ``r`` is seed ``r``'s stream.
+
+    A row's numbers depend on its seed only, so a prompt sampled with them
+    gets the same continuation whatever else shares its batch, and two
+    models given the same seed see the same numbers token by token (common
+    random numbers: their samples differ where the models do, not where the
+    draws did).
+    """
+    generator = torch.Generator()
+    rows = [torch.rand(steps, generator=generator.manual_seed(seed)) for seed in seeds]
+    return torch.stack(rows).to(device) if rows else torch.empty((0, steps), device=device)
 
 
 def _cache_of(output):
@@ -84,9 +106,14 @@ def _filter_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_next(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return ``(ids, log-probs under the sampling distribution)``."""
+    """Sample one token per row; return ``(ids, log-probs under the sampling distribution)``.
+
+    ``uniform`` (one number in [0, 1) per row, shape ``(rows, 1)``) replaces
+    the draw from ``generator`` (see `draw`).
+    """
     logits = logits.float()
     if params.temperature == 0:
         logprobs = logits.log_softmax(-1)
@@ -96,20 +123,25 @@ def sample_next(
         if params.top_p < 1:
             logits = _filter_top_p(logits, params.top_p)
         logprobs = logits.log_softmax(-1)
-        ids = draw(logprobs.exp(), generator)
+        ids = draw(logprobs.exp(), generator, uniform)
     return ids, logprobs.gather(-1, ids[:, None]).squeeze(-1)
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw(probs: torch.Tensor, generator: torch.Generator | None, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """One id per row, drawn with probability ``probs`` by inverting the cumulative distribution.
 
-    One uniform number per row: ``torch.multinomial`` draws an exponential
-    per vocabulary entry instead, a quarter of a CPU decode step at batch 64
-    over SmolLM2's 49k-token vocabulary. ``right=True`` never lands on a
-    zero-probability id (a flat stretch of the distribution).
+    One uniform number per row (from ``generator``, or ``uniform`` when
+    given): ``torch.multinomial`` draws an exponential per vocabulary entry
+    instead, a quarter of a CPU decode step at batch 64 over SmolLM2's
+    49k-token vocabulary. One number per token also couples two models'
+    samples: fed the same numbers, a model whose distribution moved a little
+    mostly picks the same ids (`row_uniforms`). ``right=True`` never lands
+    on a zero-probability id (a flat stretch of the distribution).
     """
     cdf = probs.cumsum(-1)
-    uniform = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    if uniform is None:
+        uniform = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=cdf.dtype)
+    uniform = uniform.to(device=cdf.device, dtype=cdf.dtype)
     ids = torch.searchsorted(cdf, uniform * cdf[:, -1:], right=True).squeeze(-1)
     return ids.clamp_(max=probs.shape[-1] - 1)  # rounding can leave the last cumulative value below the draw
 
@@ -182,7 +214,8 @@ class HFBackend:
     A fresh batch prefills each distinct prompt once, after the prefix they
     all share (``share_prefix``: a group's identical prompts, an
     environment's instructions). Sampling uses its own seeded ``torch.Generator``: the same seed and
-    prompts give the same samples.
+    prompts give the same samples. Given per-prompt ``seeds``, each row draws from its own stream
+    instead (`row_uniforms`), and its continuation no longer depends on the rest of the batch.
     """
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], pad_id: int, seed: int = 0,
@@ -232,21 +265,28 @@ class HFBackend:
         """Nothing to free before an update."""
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Generation]:
+        """Sample one continuation per prompt (``seeds``: one stream per prompt, see `Backend`)."""
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
         if len(prompts) <= self.max_batch_size:
-            return self._generate_batch(prompts, params)
+            return self._generate_batch(prompts, params, seeds)
         # Too many for one batch: chunks of similar lengths, without a kept cache.
         self._session = None
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         by_index: dict[int, Generation] = {}
         for start in range(0, len(order), self.max_batch_size):
             chunk = order[start:start + self.max_batch_size]
-            for index, generation in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params)):
+            chunk_seeds = [seeds[i] for i in chunk] if seeds is not None else None
+            for index, generation in zip(chunk, self._generate_batch([prompts[i] for i in chunk], params,
+                                                                     chunk_seeds)):
                 by_index[index] = generation
             self._session = None
         return [by_index[i] for i in range(len(prompts))]
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams,
+                        seeds: list[int] | None = None) -> list[Generation]:
         was_training = self.model.training
         self.model.eval()
         autocast = torch.autocast(self._device().type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
@@ -258,7 +298,7 @@ class HFBackend:
                     session, logits = self._prefill(prompts)
                 else:
                     session, logits = self._extend(self._session, rows, prompts)
-                generations = self._decode(session, prompts, logits, params)
+                generations = self._decode(session, prompts, logits, params, seeds)
         finally:
             if was_training:
                 self.model.train()
@@ -350,15 +390,19 @@ class HFBackend:
         lengths = next_position + block.sum(-1)
         return _Session(cache, attention, lengths, [list(p) for p in prompts]), logits
 
-    def _decode(self, session: _Session, prompts, logits, params: SamplingParams) -> list[Generation]:
+    def _decode(self, session: _Session, prompts, logits, params: SamplingParams,
+                seeds: list[int] | None = None) -> list[Generation]:
         device = self._device()
         sampled, logprobs = [], []
+        sampling = params.temperature > 0
+        uniforms = row_uniforms(seeds, params.max_new_tokens, device) if seeds is not None and sampling else None
         done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
         fed = torch.zeros(len(prompts), dtype=torch.long, device=device)  # sampled ids now in the cache
         stop = torch.tensor(sorted(self.stop_ids), device=device)
         cache, attention, position = session.cache, session.attention, session.next_position
-        for _ in range(params.max_new_tokens):
-            ids, lps = sample_next(logits, params, self.generator)
+        for step in range(params.max_new_tokens):
+            uniform = uniforms[:, step:step + 1] if uniforms is not None else None
+            ids, lps = sample_next(logits, params, self.generator, uniform)
             ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
             sampled.append(ids)
             logprobs.append(lps)

@@ -26,6 +26,7 @@ from contrail.agent.backend import Backend, SamplingParams
 from contrail.agent.chat import ChatFormat
 from contrail.agent.vllm import VLLMConfig
 from contrail.envs.base import Env, Step, Task
+from contrail.seeds import derive_seed
 
 MAX_STEP_THREADS = 64  # concurrent remote steps per turn (one HTTP request each)
 
@@ -127,6 +128,7 @@ class _Episode:
     env: Env | None
     trajectory: Trajectory
     done: bool = False
+    seed: int | None = None  # its sampling seed, when the rollout was given per-episode seeds
 
     def extend(self, ids: list[int], mask_value: int, logprobs: list[float] | None = None) -> None:
         traj = self.trajectory
@@ -290,6 +292,7 @@ def rollout(
     samples: list[int] | None = None,
     on_turn: Callable[[int, int], None] | None = None,
     on_episode: Callable[[Trajectory], None] | None = None,
+    seeds: list[int] | None = None,
 ) -> list[Trajectory]:
     """Play one episode per entry of ``tasks`` (repeat a task for several samples).
 
@@ -297,13 +300,21 @@ def rollout(
     there fails that episode (error recorded), like one from the environment
     itself. ``on_turn(live, generated_tokens)`` is called after each batched turn and
     ``on_episode(trajectory)`` when an episode finishes (progress bars).
+    ``seeds`` (one per episode) makes each episode sample from its own
+    streams, turn ``t`` of episode ``i`` from ``derive_seed(seeds[i], "turn", t)``:
+    an episode then plays the same whatever other episodes share its batch
+    (scripted actors, which read the environment, take no seeds).
     Returns trajectories in the order of ``tasks``.
     """
+    if seeds is not None and len(seeds) != len(tasks):
+        raise ValueError(f"rollout: {len(seeds)} seeds for {len(tasks)} tasks")
     samples = samples if samples is not None else [0] * len(tasks)
     reset_cache = getattr(backend, "reset_cache", None)
     if reset_cache:
         reset_cache()  # a kept KV cache belongs to other episodes (and maybe older weights)
     episodes = _start_all(tasks, samples, make_env, chat, config)
+    for episode, seed in zip(episodes, seeds or []):
+        episode.seed = seed
     _finish_done(episodes, on_episode)  # failed to start or over the token limit at once
     params = config.sampling()
     while True:
@@ -313,6 +324,9 @@ def rollout(
         prompts = [e.trajectory.ids for e in live]
         if getattr(backend, "reads_envs", False):  # scripted actors (expert, random) look at the state
             generations = backend.generate(prompts, params, envs=[e.env for e in live])
+        elif seeds is not None:
+            turn_seeds = [derive_seed(e.seed, "turn", e.trajectory.turns) for e in live]
+            generations = backend.generate(prompts, params, seeds=turn_seeds)
         else:
             generations = backend.generate(prompts, params)
         _step_all(live, generations, chat, config)

@@ -265,6 +265,14 @@ class SeededRequests:
         self._calls += 1
         return [derive_seed(self._seed, "vllm", call, row) for row in range(count)]
 
+    def request_seeds(self, count: int, seeds: list[int] | None) -> list[int]:
+        """The caller's per-prompt ``seeds`` when given (the backend's own stream untouched), else `next_seeds`."""
+        if seeds is None:
+            return self.next_seeds(count)
+        if len(seeds) != count:
+            raise ValueError(f"generate: {len(seeds)} seeds for {count} prompts")
+        return list(seeds)
+
 
 def fingerprint(model) -> tuple[int, tuple[int, ...]]:
     """Identity and in-place version counters of ``model``'s parameters: changes when an optimizer steps."""
@@ -379,8 +387,12 @@ class VLLMBackend(SeededRequests):
             self.engine.load(self.model, current)
 
     # --- generation --------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per prompt; ids and log-probs as `HFBackend.generate` returns them."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Generation]:
+        """Sample one continuation per prompt; ids and log-probs as `HFBackend.generate` returns them.
+
+        ``seeds``: one request seed per prompt (see `contrail.agent.backend.Backend`).
+        """
         from vllm import SamplingParams as EngineParams
         from vllm.inputs import TokensPrompt
 
@@ -388,7 +400,7 @@ class VLLMBackend(SeededRequests):
         requests = [
             EngineParams(n=1, temperature=params.temperature, top_p=params.top_p, max_tokens=params.max_new_tokens,
                          logprobs=0, seed=seed, detokenize=False, ignore_eos=True, stop_token_ids=sorted(self.stop_ids))
-            for seed in self.next_seeds(len(prompts))
+            for seed in self.request_seeds(len(prompts), seeds)
         ]
         outputs = self.engine.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], requests,
                                            use_tqdm=False)

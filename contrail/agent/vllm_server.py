@@ -218,13 +218,17 @@ class VLLMServerBackend(SeededRequests):
             self.sync_weights()
 
     # --- generation --------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Sample one continuation per prompt; ids and log-probs as `HFBackend.generate` returns them."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: list[int] | None = None) -> list[Generation]:
+        """Sample one continuation per prompt; ids and log-probs as `HFBackend.generate` returns them.
+
+        ``seeds``: one request seed per prompt (see `contrail.agent.backend.Backend`).
+        """
         self._ensure_fresh()
         bodies = [{"prompt": list(prompt), "max_tokens": params.max_new_tokens, "temperature": params.temperature,
                    "top_p": params.top_p, "seed": seed, "logprobs": 0, "return_token_ids": True,
                    "stop_token_ids": sorted(self.stop_ids), "ignore_eos": True, "skip_special_tokens": False}
-                  for prompt, seed in zip(prompts, self.next_seeds(len(prompts)))]
+                  for prompt, seed in zip(prompts, self.request_seeds(len(prompts), seeds))]
         with ThreadPoolExecutor(max_workers=max(1, min(len(bodies), self.max_batch_size))) as pool:
             answers = list(pool.map(lambda body: self._client.request("/v1/completions", body), bodies))
         return [self._generation(answer["choices"][0]) for answer in answers]

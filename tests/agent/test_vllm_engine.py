@@ -111,6 +111,19 @@ def test_same_seed_same_samples(trainer):
     assert [g.ids for g in backend.generate(prompts, params)] == next_call
 
 
+def test_per_prompt_seeds_make_a_sample_independent_of_its_batch(trainer):
+    """The evaluation's per-episode seeds: a prompt's sample depends on its seed, not on its neighbours."""
+    backend = trainer.policy.backend
+    chat = trainer.policy.chat
+    prompts = [chat.prompt_ids([{"role": "user", "content": f"say fruit {i}"}]) for i in range(4)]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    together = [g.ids for g in backend.generate(prompts, params, seeds=[40, 41, 42, 43])]
+    assert [g.ids for g in backend.generate(prompts[2:0:-1], params, seeds=[42, 41])] == together[2:0:-1]
+    state = backend.generator_state()
+    backend.generate(prompts[:1], params, seeds=[40])
+    assert backend.generator_state().tolist() == state.tolist()  # the backend's own stream is untouched
+
+
 def test_a_second_backend_of_the_model_shares_the_engine_and_resyncs(trainer, tokenizer):
     from contrail.policy import Policy
 
