@@ -238,7 +238,7 @@ def options_env():
 
 def test_options_are_the_constructor_keywords(options_env):
     assert envs.options(options_env) == ["max_turns", "rate", "verbose", "label", "data_dir", "sizes"]
-    assert envs.options("textcraft") == ["max_turns", "data_dir", "max_distractors"]
+    assert envs.options("textcraft") == ["max_turns", "data_dir", "max_distractors", "filter_train"]
 
 
 @pytest.mark.parametrize("options", [

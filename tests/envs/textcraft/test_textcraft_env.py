@@ -257,6 +257,26 @@ def test_expert_solves_test_tasks_of_each_difficulty(env, difficulty):
     assert solved / len(tasks) >= 0.95
 
 
+def test_under_a_short_turn_limit_the_test_split_keeps_what_the_expert_finishes_in_time(env):
+    short = TextCraftEnv(max_turns=3)
+    kept = short.tasks("test", "easy")
+    every = env.tasks("test", "easy")
+    assert 0 < len(kept) < len(every)  # the default limit keeps every test task; 3 turns only some
+    assert all(play_expert(short, task) for task in kept)  # each finished within its 3 turns
+    dropped = [task for task in every if task not in kept]
+    assert all(short.expert_turns(task) > 3 for task in dropped)
+    assert not play_expert(short, dropped[0])  # and a dropped one really cannot be finished in time
+
+
+def test_filter_train_applies_the_turn_limit_to_the_train_split(env):
+    assert TextCraftEnv(max_turns=3).tasks("train", "easy") == env.tasks("train", "easy")  # unfiltered by default
+    kept = TextCraftEnv(max_turns=3, filter_train=True).tasks("train", "easy")
+    assert 0 < len(kept) < len(env.tasks("train", "easy"))
+    assert all(env.expert_turns(task) <= 3 for task in kept)
+    with pytest.raises(ValueError, match="option filter_train of textcraft"):
+        TextCraftEnv(filter_train="yes")
+
+
 def test_expert_writes_thought_and_action_lines(env):
     start(env, CRAFTING_TABLE)
     text = env.expert()
