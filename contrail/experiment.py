@@ -162,7 +162,9 @@ class StreamSpec:
     ``steps_per_experience`` is each training experience's GRPO budget, and
     ``steps`` overrides it for some (``{babyai:easy: 6}``);
     ``train_tasks``/``test_tasks`` cap the task lists (``null`` = all), chosen
-    with ``task_seed`` so every training seed sees the same tasks;
+    with ``task_seed`` so every training seed sees the same tasks, and
+    ``test_tasks_for`` overrides ``test_tasks`` for some test experiences
+    (``{babyai:easy: 64}``: resolution where a run's question is);
     ``env_options`` maps an environment name to its constructor options.
     """
 
@@ -172,6 +174,7 @@ class StreamSpec:
     test_tasks: int | None = 20
     steps_per_experience: int = 10
     steps: dict[str, int] = field(default_factory=dict)
+    test_tasks_for: dict[str, int] = field(default_factory=dict)
     env_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     task_seed: int = 0
 
@@ -180,9 +183,10 @@ class StreamSpec:
             raise ValueError("train must list at least one experience spec (e.g. [textcraft:easy])")
         _specs(self, "train", "test")
         _at_least(self, 1, "steps_per_experience", "train_tasks", "test_tasks")
-        for spec, steps in self.steps.items():
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-                raise ValueError(f"steps.{spec} must be an integer >= 1, got {steps!r}")
+        for key in ("steps", "test_tasks_for"):
+            for spec, count in getattr(self, key).items():
+                if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+                    raise ValueError(f"{key}.{spec} must be an integer >= 1, got {count!r}")
         for name, options in self.env_options.items():
             if not isinstance(options, dict):
                 raise ValueError(f"env_options.{name} must be a mapping of option: value, got {options!r}")
@@ -765,6 +769,7 @@ def _check_strategy(exp: Experiment, where: Callable[[str], str]) -> None:
         raise ConfigError(f"{where(key)}: {key}: {_first_line(error)}") from None
     _check_weights(exp, where)
     _check_steps(exp, where)
+    _check_test_tasks(exp, where)
 
 
 def _trainable(exp: Experiment) -> set[str]:
@@ -782,6 +787,15 @@ def _check_steps(exp: Experiment, where: Callable[[str], str]) -> None:
         if name not in trainable:
             key = f"stream.steps.{name}"
             raise ConfigError(f"{where(key)}: {key}: not a training experience; valid: {', '.join(sorted(trainable))}")
+
+
+def _check_test_tasks(exp: Experiment, where: Callable[[str], str]) -> None:
+    """``stream.test_tasks_for`` names test experiences only."""
+    tested = set(exp.stream.test) or _trainable(exp)
+    for name in exp.stream.test_tasks_for:
+        if name not in tested:
+            key = f"stream.test_tasks_for.{name}"
+            raise ConfigError(f"{where(key)}: {key}: not a test experience; valid: {', '.join(sorted(tested))}")
 
 
 def _check_weights(exp: Experiment, where: Callable[[str], str]) -> None:
@@ -803,7 +817,7 @@ def build_stream(exp: Experiment, cache: dict[str, Experience] | None = None) ->
     """The run's stream: ``stream.train`` in order, ``stream.test`` (or the training ones).
 
     Each experience's budget is ``stream.steps`` for it, else ``stream.steps_per_experience``; its tasks are
-    capped by ``train_tasks``/``test_tasks`` with ``task_seed``. ``cache``
+    capped by ``train_tasks`` and ``test_tasks_for`` for it, else ``test_tasks``, with ``task_seed``. ``cache``
     (spec → Experience) shares task lists between the runs of one family.
     """
     s = exp.stream
@@ -813,7 +827,8 @@ def build_stream(exp: Experiment, cache: dict[str, Experience] | None = None) ->
         if spec not in cache:
             options = s.env_options.get(envs.parse_spec(spec)[0])  # the env's name, whatever the spec's shape
             steps = s.steps.get(spec, s.steps_per_experience)
-            cache[spec] = Experience.from_spec(spec, s.train_tasks, s.test_tasks, steps, s.task_seed, options)
+            test_tasks = s.test_tasks_for.get(spec, s.test_tasks)
+            cache[spec] = Experience.from_spec(spec, s.train_tasks, test_tasks, steps, s.task_seed, options)
         return cache[spec]
 
     return Stream([get(spec) for spec in s.train], [get(spec) for spec in (s.test or s.train)])

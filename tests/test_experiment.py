@@ -238,6 +238,10 @@ def test_check_catches_what_python_construction_cannot(tmp_path):
      r"exp.yaml: stream.steps.tiny-c:easy: not a training experience; valid: tiny-a:easy, tiny-b:easy"),
     (BASIC.replace("steps_per_experience: 3", "steps: {tiny-a:easy: 0}"),
      r"exp.yaml: stream.steps.tiny-a:easy: must be an integer >= 1, got 0"),
+    (BASIC.replace("steps_per_experience: 3", "test_tasks_for: {tiny-c:easy: 2}"),
+     r"exp.yaml: stream.test_tasks_for.tiny-c:easy: not a test experience; valid: tiny-a:easy, tiny-b:easy"),
+    (BASIC.replace("steps_per_experience: 3", "test_tasks_for: {tiny-a:easy: 0}"),
+     r"exp.yaml: stream.test_tasks_for.tiny-a:easy: must be an integer >= 1, got 0"),
     (BASIC.replace("lr: 1e-6", "lr: fast"),
      r"exp.yaml: grpo.lr: expected a number, got str 'fast'"),
     (BASIC.replace("group_size: 2", "group_size: 1"), r"exp.yaml: grpo.group_size: must be >= 2"),
@@ -440,6 +444,16 @@ def test_per_experience_steps_override_the_streams_budget(tmp_path, strategy):
         assert "stage 1 mixture: 8 steps" in text
     else:
         assert "stage 1 tiny-a:easy: 5 steps" in text and "stage 2 tiny-b:easy: 3 steps" in text
+
+
+def test_per_experience_test_tasks_override_the_streams_count(tmp_path):
+    exp = load_experiment(write(tmp_path, BASIC.replace("steps_per_experience: 3",
+                                                        "steps_per_experience: 3\n  test_tasks_for: {tiny-b:easy: 2}")))
+    stream = build_stream(exp)
+    assert [len(e.test_tasks) for e in stream.test] == [5, 2]
+    plain = build_stream(load_experiment(write(tmp_path, BASIC)))
+    assert set(stream.test[1].test_tasks) < set(plain.test[1].test_tasks)  # fewer, from the same seeded sample
+    assert "tiny-a:easy 5 tasks (trained in stage 1); tiny-b:easy 2 tasks" in describe_plan(exp)
 
 
 def test_describe_plan(tmp_path):
