@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from vllm_helpers import make_env, max_gap, tasks, trainer_logprobs  # noqa: E402
+from vllm_helpers import check_per_prompt_seeds, make_env, max_gap, tasks, trainer_logprobs  # noqa: E402
 
 from contrail.agent import ChatFormat, HFBackend, RolloutConfig, SamplingParams, rollout  # noqa: E402
 from contrail.agent.vllm import VLLMBackend, VLLMConfig, fingerprint  # noqa: E402
@@ -113,15 +113,7 @@ def test_same_seed_same_samples(trainer):
 
 def test_per_prompt_seeds_make_a_sample_independent_of_its_batch(trainer):
     """The evaluation's per-episode seeds: a prompt's sample depends on its seed, not on its neighbours."""
-    backend = trainer.policy.backend
-    chat = trainer.policy.chat
-    prompts = [chat.prompt_ids([{"role": "user", "content": f"say fruit {i}"}]) for i in range(4)]
-    params = SamplingParams(max_new_tokens=6, temperature=1.0)
-    together = [g.ids for g in backend.generate(prompts, params, seeds=[40, 41, 42, 43])]
-    assert [g.ids for g in backend.generate(prompts[2:0:-1], params, seeds=[42, 41])] == together[2:0:-1]
-    state = backend.generator_state()
-    backend.generate(prompts[:1], params, seeds=[40])
-    assert backend.generator_state().tolist() == state.tolist()  # the backend's own stream is untouched
+    check_per_prompt_seeds(trainer.policy)
 
 
 def test_a_second_backend_of_the_model_shares_the_engine_and_resyncs(trainer, tokenizer):
