@@ -780,34 +780,30 @@ def _trainable(exp: Experiment) -> set[str]:
     return trainable
 
 
+def _check_names(where: Callable[[str], str], key: str, names, valid: set[str], kind: str) -> None:
+    """Every name of ``names`` (the keys of the setting ``key``) is in ``valid``, else one line naming it."""
+    for name in names:
+        if name not in valid:
+            path = f"{key}.{name}"
+            raise ConfigError(f"{where(path)}: {path}: not a {kind} experience; valid: {', '.join(sorted(valid))}")
+
+
 def _check_steps(exp: Experiment, where: Callable[[str], str]) -> None:
     """``stream.steps`` names training experiences only."""
-    trainable = _trainable(exp)
-    for name in exp.stream.steps:
-        if name not in trainable:
-            key = f"stream.steps.{name}"
-            raise ConfigError(f"{where(key)}: {key}: not a training experience; valid: {', '.join(sorted(trainable))}")
+    _check_names(where, "stream.steps", exp.stream.steps, _trainable(exp), "training")
 
 
 def _check_test_tasks(exp: Experiment, where: Callable[[str], str]) -> None:
     """``stream.test_tasks_for`` names test experiences only."""
     tested = set(exp.stream.test) or _trainable(exp)
-    for name in exp.stream.test_tasks_for:
-        if name not in tested:
-            key = f"stream.test_tasks_for.{name}"
-            raise ConfigError(f"{where(key)}: {key}: not a test experience; valid: {', '.join(sorted(tested))}")
+    _check_names(where, "stream.test_tasks_for", exp.stream.test_tasks_for, tested, "test")
 
 
 def _check_weights(exp: Experiment, where: Callable[[str], str]) -> None:
     """A strategy's ``weights`` option names training experiences only."""
     weights = exp.strategy.options.get("weights")
-    if not isinstance(weights, dict):
-        return
-    trainable = _trainable(exp)
-    for name in weights:
-        if name not in trainable:
-            key = f"strategy.options.weights.{name}"
-            raise ConfigError(f"{where(key)}: {key}: not a training experience; valid: {', '.join(sorted(trainable))}")
+    if isinstance(weights, dict):
+        _check_names(where, "strategy.options.weights", weights, _trainable(exp), "training")
 
 
 # --- from an experiment to what a run needs ----------------------------------------------------
