@@ -850,7 +850,8 @@ def run_label(exp: Experiment) -> str:
     """The group a run belongs to in comparisons: the strategy with all its options, and the order.
 
     Options are the strategy's own values (defaults included, the stream's
-    ``steps_per_experience`` included), so two runs group together only when
+    ``steps_per_experience`` included, or each trained experience's budget
+    when ``stream.steps`` sets some), so two runs group together only when
     they differ in nothing but the seed, which is never part of the label.
     """
     strategy = build_strategy(exp)
@@ -859,6 +860,10 @@ def run_label(exp: Experiment) -> str:
                    if f.name != "seed" and f.init}
     else:
         options = dict(exp.strategy.options)
+    if exp.stream.steps and "steps_per_experience" in options:
+        # The stream's per-experience budgets override the strategy's default: show what each trains.
+        default = options.pop("steps_per_experience")
+        options["steps"] = {spec: exp.stream.steps.get(spec, default) for spec in exp.stream.train}
     shown = ", ".join(f"{k}={_label_value(v)}" for k, v in sorted(options.items()))
     return f"{exp.strategy.name}({shown}): {' → '.join(exp.stream.train)}"
 

@@ -393,6 +393,14 @@ def test_run_label_has_every_strategy_option_and_never_the_seed(tmp_path):
     assert labels == {run_label(quarter)}
 
 
+def test_run_label_shows_each_experiences_budget_when_stream_steps_sets_one(tmp_path):
+    path = write(tmp_path, BASIC)
+    budgets = load_experiment(path, ["stream.steps={tiny-a:easy: 6}"])
+    # the stream's budgets, not the strategy's default, are what the stages train
+    assert run_label(budgets) == "sequential(steps={tiny-a:easy: 6, tiny-b:easy: 3}): tiny-a:easy → tiny-b:easy"
+    assert run_label(load_experiment(path, ["stream.steps={tiny-a:easy: 4}"])) != run_label(budgets)
+
+
 def test_orders_all_with_seeds(tmp_path):
     exp = load_experiment(write(tmp_path, BASIC + "seeds: [0, 1]\norders: all\n"),
                           ["stream.train=[tiny-a:easy,tiny-b:easy,tiny-a:hard]"])
