@@ -447,5 +447,7 @@ def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work(chec
     assert min(shared_prefixes) >= 16 and set(plain_prefixes) == {0}  # the group's prompt was forwarded once
     assert shared["loss"] == pytest.approx(plain["loss"], abs=1e-5)
     assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
-    # Adam at lr 1e-2 turns rounding in LoRA's small gradients into weight differences of ~1e-5
-    torch.testing.assert_close(shared_weights, plain_weights, rtol=0, atol=5e-5 if lora else 1e-5)
+    # Adam at lr 1e-2 divides each gradient by its own scale, so a weight whose gradient is near rounding
+    # size moves by a rounding-decided step: differences of ~1e-5 (LoRA), and on some CPUs one full
+    # fine-tuning weight in 20k at 3.8e-5. A wrong shared prefix moves the loss and the weights by far more.
+    torch.testing.assert_close(shared_weights, plain_weights, rtol=0, atol=5e-5)
