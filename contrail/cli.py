@@ -145,7 +145,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                    for spec in args.env]
     task_lists = {e.name: (e.test_tasks if args.split == "test" else e.train_tasks) for e in experiences}
     try:
-        policy = Policy.load(args.model, device=device, dtype=args.dtype, seed=args.seed, rollout=config)
+        policy = Policy.load(args.model, device=device, dtype=args.dtype, seed=args.seed, rollout=config,
+                             max_batch_size=args.batch_episodes)
     except VLLMNotInstalled as error:
         raise UsageError(f"--backend vllm: {error}") from None
     except VLLMServerMisconfigured as error:

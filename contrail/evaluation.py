@@ -222,8 +222,10 @@ class Evaluator:
         model.eval()
         try:
             with preserved_rng():
+                # One backend batch holds a whole evaluation batch: a smaller one would split it into chunks
+                # that re-prefill every episode's history each turn.
                 policy = Policy.from_model(model, tokenizer, seed=self.seed, autocast_bf16=autocast_bf16,
-                                           rollout=self.rollout)
+                                           rollout=self.rollout, max_batch_size=self.batch_episodes)
                 return evaluate(policy.backend, policy.chat, self.tasks, self.make_env, k=self.k,
                                 config=self.rollout, batch_episodes=self.batch_episodes,
                                 trajectories_path=trajectories_path, description=description,

@@ -32,7 +32,9 @@ class Policy:
         from a copy of ``model``'s weights: colocated
         (`contrail.agent.vllm.VLLMBackend`) or a ``vllm serve`` server
         (`contrail.agent.vllm_server.VLLMServerBackend`), as
-        ``rollout.vllm.mode`` says.
+        ``rollout.vllm.mode`` says. ``max_batch_size``: the most episodes the
+        backend decodes as one batch; pass the most that one rollout plays
+        (a larger call is cut into chunks that keep no KV cache across turns).
         """
         chat = ChatFormat.from_tokenizer(tokenizer)
         if rollout is not None and rollout.backend == "vllm":
@@ -47,7 +49,7 @@ class Policy:
 
     @classmethod
     def load(cls, name: str, device: str = "cpu", dtype: str = "float32", seed: int = 0,
-             rollout: "RolloutConfig | None" = None) -> "Policy":
-        """Load model ``name`` and wrap it (see `from_model` for ``rollout``)."""
+             rollout: "RolloutConfig | None" = None, max_batch_size: int = 64) -> "Policy":
+        """Load model ``name`` and wrap it (see `from_model` for ``rollout`` and ``max_batch_size``)."""
         model, tokenizer = load_model(name, dtype=dtype, device=device)
-        return cls.from_model(model, tokenizer, seed=seed, rollout=rollout)
+        return cls.from_model(model, tokenizer, seed=seed, rollout=rollout, max_batch_size=max_batch_size)

@@ -123,3 +123,25 @@ def test_an_experiences_episodes_do_not_depend_on_what_shares_their_batches():
     beside = magic_episodes({"magic-berry:easy": berry, "magic:easy": magic}, batch_episodes=5)
     assert sorted(alone) == sorted(beside)
     assert sorted(alone) != sorted(magic_episodes({"magic:easy": magic}, batch_episodes=8, seed=6))
+
+
+def test_an_evaluation_batch_beyond_64_episodes_keeps_its_kv_cache_across_turns():
+    """Every episode's history is prefilled once: a batch larger than the backend's default of 64
+    rows used to be cut into chunks that re-prefilled every history each turn."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer)
+    tasks = {"magic:easy": envs.make("magic").tasks("test", "easy")}  # 20 tasks x k=4: 80 episodes, one batch
+    rollout = RolloutConfig(max_new_tokens=3, max_episode_tokens=256, max_turns=3)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        played: dict = {}
+        Evaluator(tasks, factory, rollout, k=4, batch_episodes=80, seed=1, show_progress=False)(
+            model, tokenizer, episodes=played)
+    finally:
+        hook.remove()
+    assert max(t.turns for t in played["magic:easy"]) == 3  # later turns were played
+    instructions = widths[0]  # the first forward: the prompts' shared opening, once
+    assert instructions > 16
+    assert sum(width >= instructions for width in widths) == 1  # never prefilled again

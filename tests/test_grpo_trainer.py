@@ -213,6 +213,22 @@ def test_collect_plays_whole_groups_in_task_order():
     assert all(sum(t.mask) > 0 for t in trajectories)
 
 
+def test_a_step_of_more_than_64_episodes_keeps_its_kv_cache_across_turns():
+    """A step's episodes play as one batch whose histories are prefilled once, however many there are."""
+    tokenizer = tiny_tokenizer()
+    trainer = grpo(tiny_model(tokenizer, seed=10), tokenizer, GRPOConfig(group_size=4, tasks_per_step=20),
+                   rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256, max_turns=3))
+    widths = []
+    hook = trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        trajectories = trainer.collect(train_tasks()[:20])  # 80 episodes
+    finally:
+        hook.remove()
+    assert len(trajectories) == 80 and max(t.turns for t in trajectories) == 3
+    assert sum(width >= widths[0] for width in widths) == 1  # the shared instructions, prefilled once
+
+
 def test_a_loss_term_adds_to_the_loss_the_same_for_any_micro_batching():
     tokenizer = tiny_tokenizer()
     rewards = [1.0, 0.0, 0.0, 0.0] * 2

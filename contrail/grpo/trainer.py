@@ -117,7 +117,9 @@ class GRPOTrainer:
         self.accelerator = self.masked_trainer.accelerator
         self.policy = Policy.from_model(self.model, tokenizer,
                                         seed=derive_seed(seed, "rollout", self.accelerator.process_index),
-                                        autocast_bf16=config.precision == "bf16", rollout=rollout)
+                                        autocast_bf16=config.precision == "bf16", rollout=rollout,
+                                        # a step's episodes in one batch, its KV cache kept across turns
+                                        max_batch_size=config.tasks_per_step * config.group_size)
         self.reference = self._make_reference() if config.beta > 0 else None
         self.log_path = Path(log_dir) / "grpo_log.jsonl" if log_dir else None
         self.step_count = 0
