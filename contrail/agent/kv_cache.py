@@ -9,6 +9,13 @@ buffer with headroom and returns views of the filled part, so a step writes
 one position; the buffer is reallocated (and copied once) only when it is
 full, growing by a quarter, so copies are amortised over many steps.
 
+Under autocast (the HF backend's bf16 sampling from fp32 weights) keys and
+values are stored in the autocast dtype. Keys come out of the rotary
+embedding in fp32 (its cos/sin follow the fp32 residual stream), and every
+attention product casts them to bf16 on use: kept in fp32, the cache was
+cast, one full copy per layer, at every decode step, and took twice the
+memory. Stored in bf16 it holds exactly the values attention reads.
+
 Code that replaces a layer's ``keys``/``values`` with tensors of its own
 (``batch_select_indices``, the HF backend's row selection and joins) keeps
 working: the next update sees the tensors are not views of this layer's
@@ -34,6 +41,7 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        key_states, value_states = _as_autocast(key_states), _as_autocast(value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
@@ -69,6 +77,14 @@ class GrowingLayer(DynamicLayer):
                 buffer[..., :length, :] = cached
             buffers.append(buffer)
         self._buffers = (id(self), buffers[0], buffers[1])
+
+
+def _as_autocast(states: torch.Tensor) -> torch.Tensor:
+    """``states`` in the autocast dtype of their device when autocast is on there (else unchanged)."""
+    device = states.device.type
+    if states.is_floating_point() and torch.is_autocast_enabled(device):
+        return states.to(torch.get_autocast_dtype(device))
+    return states
 
 
 def growing_cache() -> DynamicCache:

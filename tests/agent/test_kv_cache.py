@@ -69,3 +69,25 @@ def test_a_model_generates_the_same_logits_with_either_cache():
             outputs.append(torch.stack(steps))
     assert isinstance(out.past_key_values.layers[0], GrowingLayer)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-6)
+
+
+def test_under_autocast_the_cache_keeps_bf16_and_the_model_computes_what_it_did_from_fp32():
+    """Attention casts the fp32 keys the rotary embedding returns to bf16 anyway: storing them so is exact."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer).eval()
+    ids = torch.tensor([[1, 5, 7, 9, 11, 4], [1, 6, 8, 10, 12, 3]])
+    outputs, caches = [], []
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for cache in (DynamicCache(), growing_cache()):
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            steps = [out.logits[:, -1]]
+            for token in range(8):
+                out = model(input_ids=torch.full((2, 1), 3 + token), past_key_values=out.past_key_values,
+                            use_cache=True)
+                steps.append(out.logits[:, -1])
+            outputs.append(torch.stack(steps).float())
+            caches.append(out.past_key_values.layers[0])
+    assert caches[0].keys.dtype == torch.float32  # transformers' cache: fp32 keys, cast at every use
+    assert caches[1].keys.dtype == caches[1].values.dtype == torch.bfloat16
+    torch.testing.assert_close(caches[1].keys, caches[0].keys.to(torch.bfloat16), rtol=0, atol=0)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
