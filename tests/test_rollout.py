@@ -389,3 +389,35 @@ def test_seeds_must_match_the_prompts(tokenizer, chat, random_policy):
         backend.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2), seeds=[1, 2])
     with pytest.raises(ValueError, match="1 seeds for 2 tasks"):
         rollout(backend, chat, easy_tasks(2), lambda t: MagicWordEnv(), seeds=[1])
+
+
+class WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts autocast's fp32 -> bf16 copies of tensors shaped like ``weights``."""
+
+    def __init__(self, weights):
+        super().__init__()
+        self.shapes, self.count = {tuple(w.shape) for w in weights if w.dim() == 2}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16
+                and tuple(args[0].shape) in self.shapes):
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def test_bf16_sampling_casts_frozen_weights_once_per_call_and_leaves_them_frozen(tokenizer, chat):
+    """Autocast caches casts of trainable weights only; a LoRA run's frozen base would be cast every token."""
+    model = tiny_model(tokenizer, seed=1)
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    prompt = chat.prompt_ids([{"role": "user", "content": "say the word ."}])
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    results = {}
+    for trainable in (True, False):
+        model.requires_grad_(trainable)
+        backend = HFBackend(model, set(), tokenizer.pad_token_id, seed=4, autocast_bf16=True)  # no stop: 6 steps
+        with WeightCasts(weights) as casts:
+            results[trainable] = backend.generate([prompt, prompt[1:]], params)
+        assert casts.count <= len(weights), casts.count  # each weight once, not once per forward
+        assert all(p.requires_grad == trainable for p in model.parameters())
+    assert [g.ids for g in results[True]] == [g.ids for g in results[False]]

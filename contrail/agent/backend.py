@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -146,6 +147,26 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None, uniform: torch.
     return ids.clamp_(max=probs.shape[-1] - 1)  # rounding can leave the last cumulative value below the draw
 
 
+@contextlib.contextmanager
+def cast_once(model, enabled: bool = True) -> Iterator[None]:
+    """Within an autocast block, each frozen fp32 weight of ``model`` is cast once, not at every forward.
+
+    Autocast caches the cast copy of a weight only when the weight requires
+    grad. Frozen weights (a LoRA run's base model, into which the adapter is
+    merged while sampling) were cast again at every decode step: a copy of
+    the whole model per generated token. Under ``no_grad`` marking them as
+    requiring grad records nothing; they are unmarked on exit.
+    """
+    frozen = [p for p in model.parameters() if not p.requires_grad and p.dtype == torch.float32] if enabled else []
+    for parameter in frozen:
+        parameter.requires_grad_(True)
+    try:
+        yield
+    finally:
+        for parameter in frozen:
+            parameter.requires_grad_(False)
+
+
 @dataclass
 class _Session:
     """The KV cache of the last batch, kept so the next turn only prefills what is new.
@@ -229,7 +250,8 @@ class HFBackend:
         self.max_batch_size = max_batch_size
         self.reuse_cache = reuse_cache
         # bf16 matrix products on fp32 weights (a training model): 4x faster on CPUs with
-        # AVX512-BF16, and what GPUs train with; weights are cast once per call (autocast cache).
+        # AVX512-BF16, and what GPUs train with; weights are cast once per call (autocast cache,
+        # frozen ones included: `cast_once`).
         self.autocast_bf16 = autocast_bf16
         self.generator = torch.Generator(device=self._device())
         self.generator.manual_seed(seed)
@@ -292,7 +314,7 @@ class HFBackend:
         autocast = torch.autocast(self._device().type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
         try:
             decoding = decoding_attention(self.model) if self.decode_attention else contextlib.nullcontext()
-            with autocast, decoding:
+            with autocast, cast_once(self.model, enabled=self.autocast_bf16), decoding:
                 rows = self._session.match(prompts) if (self.reuse_cache and self._session) else None
                 if rows is None:
                     session, logits = self._prefill(prompts)
