@@ -42,15 +42,22 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                                       **kwargs)
     if queries > MAX_DIRECT_QUERIES:
         return _grouped_sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
+    if attention_mask is None:  # transformers leaves out an all-visible mask: the new queries are causal
+        attention_mask = _causal_mask(queries, key.shape[2], query.device)
+    attention_mask = attention_mask[:, :, -queries:, -key.shape[2]:]
+    key, value, attention_mask = whole_buffers(key, value, attention_mask)
     kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads  # query head h reads key/value head h // groups (transformers' repeat_kv)
     scale = scaling if scaling is not None else dim ** -0.5
     grouped = query.reshape(batch, kv_heads, groups * queries, dim)
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).view(batch, kv_heads, groups, queries, length)
+    # keys @ queries^T, transposed after: the product ``queries @ keys^T`` made a contiguous copy of the
+    # transposed cache for every layer at every step (a quarter of a decode step at batch 64, 600 keys);
+    # this way the cache is read as it lies and only the small scores are transposed.
+    scores = torch.matmul(key, grouped.transpose(-1, -2)).transpose(-1, -2)
+    scores = scores.reshape(batch, kv_heads, groups, queries, length)
     scores = scores.float() * scale
-    if attention_mask is not None:
-        mask = attention_mask[:, :, -queries:, -length:].unsqueeze(2)  # (B, 1, 1, q, L): the same for every head
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    mask = attention_mask.unsqueeze(2)  # (B, 1, 1, q, L): the same for every head
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = scores.softmax(-1).to(value.dtype).view(batch, kv_heads, groups * queries, length)
     output = torch.matmul(weights, value).view(batch, heads, queries, dim)
     return output.transpose(1, 2).contiguous(), None
@@ -69,9 +76,46 @@ def _grouped_sdpa(module, query, key, value, attention_mask, scaling, **kwargs) 
 
     if attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    key, value, attention_mask = whole_buffers(key, value, attention_mask)
     output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                               scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _causal_mask(queries: int, length: int, device) -> torch.Tensor:
+    """``(1, 1, queries, length)``, True where query ``i`` (the ``i``-th of the last ``queries`` positions) may look."""
+    return torch.ones(queries, length, dtype=torch.bool, device=device).tril(length - queries)[None, None]
+
+
+def whole_buffers(key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole cache buffers ``key`` and ``value`` are the filled start of, ``mask`` widened to hide the rest.
+
+    `contrail.agent.kv_cache.GrowingLayer` returns views of the first ``L``
+    positions of buffers with room for more. PyTorch's CPU batched products
+    and SDPA kernel copy such a view into a contiguous tensor first: two
+    copies of each layer's cache at every decode step. Attending over the
+    whole (contiguous, zero-initialised) buffer instead, with the unfilled
+    positions masked out, reads it in place, as transformers' static cache
+    does; it computes a few more scores, each of which the mask zeroes.
+    Other tensors (and a float mask) are returned as they are.
+    """
+    key_buffer, value_buffer = _buffer_of(key), _buffer_of(value)
+    if key_buffer is None or value_buffer is None or mask.dtype != torch.bool \
+            or key_buffer.shape[-2] != value_buffer.shape[-2] or mask.shape[-1] != key.shape[-2]:
+        return key, value, mask
+    unfilled = key_buffer.shape[-2] - key.shape[-2]
+    return key_buffer, value_buffer, torch.nn.functional.pad(mask, (0, unfilled), value=False)
+
+
+def _buffer_of(view: torch.Tensor) -> torch.Tensor | None:
+    """The contiguous tensor ``view`` is the leading positions of (``view[..., :L, :]``), or None."""
+    base = view._base
+    if base is None or not base.is_contiguous() or base.dim() != view.dim() or view.data_ptr() != base.data_ptr():
+        return None
+    if base.shape[:-2] != view.shape[:-2] or base.shape[-1] != view.shape[-1] or view.stride() != base.stride():
+        return None
+    return base
 
 
 def register() -> str:

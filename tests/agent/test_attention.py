@@ -72,3 +72,48 @@ def test_a_cpu_model_decodes_with_it_inside_the_block_only():
             mine = model(input_ids=ids[:, -1:], past_key_values=again.past_key_values).logits
     assert model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(mine, step, rtol=0, atol=1e-5)
+
+
+def _cache_copies(run, length: int, dim: int) -> int:
+    """How many tensors of ``length`` x ``dim`` (a layer's cache, transposed or not) ``run()`` copies, nested
+    copies inside kernels included (the profiler sees those)."""
+    from torch.profiler import profile
+
+    with profile(record_shapes=True) as trace:
+        run()
+    cache_shaped = lambda shape: tuple(shape[-2:]) in ((length, dim), (dim, length))  # noqa: E731
+    return sum(1 for event in trace.events() if event.name == "aten::copy_"
+               and event.input_shapes and cache_shaped(event.input_shapes[0]))
+
+
+@pytest.mark.parametrize("queries", [1, MAX_DIRECT_QUERIES + 3])
+def test_a_cache_that_is_the_start_of_a_larger_buffer_is_read_in_place(queries):
+    """GrowingLayer's views: attention reads the whole buffer, its unfilled end masked, and copies none of it.
+
+    bf16 and 64-wide heads, as the sampling cache is: there PyTorch's batched product copies strided views.
+    """
+    length, dim = 48, 64
+    module, query, key, value, mask = (t.bfloat16() if torch.is_tensor(t) and t.is_floating_point() else t
+                                       for t in _inputs(queries, length=length, dim=dim))
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    buffers = [torch.randn(3, 2, length + 16, dim).bfloat16() * 100 for _ in range(2)]  # unfilled: must not count
+    for buffer, filled in zip(buffers, (key, value)):
+        buffer[:, :, :length] = filled
+    views = [buffer[:, :, :length] for buffer in buffers]
+    out = {}
+    copies = _cache_copies(lambda: out.update(mine=decode_attention(module, query, *views, mask, scaling=0.3)[0]),
+                           length=length, dim=dim)
+    assert copies == 0
+    torch.testing.assert_close(out["mine"], theirs, rtol=0, atol=2e-2)
+    # the same views made contiguous by hand: the count sees such copies
+    assert _cache_copies(lambda: [view.contiguous() for view in views], length=length, dim=dim) == 2
+
+
+@pytest.mark.parametrize("queries", [1, 3])
+def test_without_a_mask_the_new_queries_attend_causally(queries):
+    """No mask means nothing is padded: the last ``queries`` positions still must not see later ones."""
+    module, query, key, value, _ = _inputs(queries)
+    causal = torch.ones(queries, key.shape[2], dtype=torch.bool).tril(key.shape[2] - queries)[None, None]
+    mine, _ = decode_attention(module, query, key, value, None, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, causal.expand(3, 1, -1, -1), scaling=0.3)
+    torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
