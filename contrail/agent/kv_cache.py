@@ -72,7 +72,8 @@ class GrowingLayer(DynamicLayer):
         for cached, new in ((self.keys, key_states), (self.values, value_states)):
             shape = list(new.shape)
             shape[-2] = capacity
-            buffer = new.new_zeros(shape)  # attention reads the unfilled positions too, masked out: keep them finite
+            buffer = new.new_empty(shape)
+            buffer[..., length:, :].zero_()  # attention reads the unfilled positions too, masked out: keep them finite
             if length:
                 buffer[..., :length, :] = cached
             buffers.append(buffer)

@@ -91,3 +91,19 @@ def test_under_autocast_the_cache_keeps_bf16_and_the_model_computes_what_it_did_
     assert caches[1].keys.dtype == caches[1].values.dtype == torch.bfloat16
     torch.testing.assert_close(caches[1].keys, caches[0].keys.to(torch.bfloat16), rtol=0, atol=0)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=0)
+
+
+def test_the_unfilled_end_of_a_buffer_is_zero_since_attention_reads_it_masked():
+    """A masked score's weight is 0, and 0 x NaN is NaN: the positions past the cache must hold finite values."""
+    from contrail.agent.attention import whole_buffers
+
+    layer = GrowingLayer()
+    for step, length in enumerate([5, 1, 1, MIN_HEADROOM]):  # the last update reallocates
+        keys, values = layer.update(*_states(length, seed=step))
+        mask = torch.ones(2, 1, 1, keys.shape[-2], dtype=torch.bool)
+        whole_keys, whole_values, whole_mask = whole_buffers(keys, values, mask)
+        filled = keys.shape[-2]
+        assert whole_keys.shape[-2] > filled and whole_mask.shape[-1] == whole_keys.shape[-2]
+        assert not whole_mask[..., filled:].any()
+        for whole in (whole_keys, whole_values):
+            assert torch.equal(whole[..., filled:, :], torch.zeros_like(whole[..., filled:, :]))
