@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from contrail.agent.rollout import RolloutConfig
 
 
+VLLM_MAX_SEQS = 64  # sequences a vLLM engine decodes at once; one value, so every policy shares its engine
+
+
 @dataclass
 class Policy:
     """What acting needs: the model, its tokenizer, the append-only chat format, a backend."""
@@ -33,15 +36,18 @@ class Policy:
         (`contrail.agent.vllm.VLLMBackend`) or a ``vllm serve`` server
         (`contrail.agent.vllm_server.VLLMServerBackend`), as
         ``rollout.vllm.mode`` says. ``max_batch_size``: the most episodes the
-        backend decodes as one batch; pass the most that one rollout plays
+        HF backend decodes as one batch; pass the most that one rollout plays
         (a larger call is cut into chunks that keep no KV cache across turns).
+        A vLLM engine schedules any number itself and keeps its own prefix
+        cache, so it always takes `VLLM_MAX_SEQS`: the trainer's and the
+        evaluator's policies then share one engine.
         """
         chat = ChatFormat.from_tokenizer(tokenizer)
         if rollout is not None and rollout.backend == "vllm":
             from contrail.agent.vllm import vllm_backend
 
             backend = vllm_backend(model, chat.stop_ids, seed=seed, config=rollout.vllm,
-                                   max_model_len=rollout.max_episode_tokens, max_batch_size=max_batch_size)
+                                   max_model_len=rollout.max_episode_tokens, max_batch_size=VLLM_MAX_SEQS)
         else:
             backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=seed,
                                 max_batch_size=max_batch_size, autocast_bf16=autocast_bf16)

@@ -467,3 +467,19 @@ def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work(chec
     # size moves by a rounding-decided step: differences of ~1e-5 (LoRA), and on some CPUs one full
     # fine-tuning weight in 20k at 3.8e-5. A wrong shared prefix moves the loss and the weights by far more.
     torch.testing.assert_close(shared_weights, plain_weights, rtol=0, atol=5e-5)
+
+
+def test_a_vllm_trainer_and_its_evaluator_ask_for_the_same_engine(monkeypatch):
+    """vLLM engines are shared by their settings: a step-sized limit would build a second engine for evaluation."""
+    import contrail.agent.vllm as vllm
+    from contrail.evaluation import Evaluator
+
+    asked = []
+    monkeypatch.setattr(vllm, "vllm_backend", lambda model, stop_ids, **kwargs: asked.append(kwargs["max_batch_size"])
+                        or HFBackend(model, stop_ids, 0))
+    tokenizer = tiny_tokenizer()
+    config = RolloutConfig(max_new_tokens=3, max_episode_tokens=256, backend="vllm")
+    trainer = grpo(tiny_model(tokenizer), tokenizer, GRPOConfig(group_size=4, tasks_per_step=20), rollout=config)
+    Evaluator({"magic:easy": train_tasks()[:1]}, make_env, config, k=1, batch_episodes=8,
+              show_progress=False)(trainer.model, tokenizer)
+    assert len(asked) == 2 and asked[0] == asked[1]
