@@ -8,8 +8,10 @@ chat model, at a size that trains in seconds on a CPU.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import re
+from collections.abc import Iterator
 
 import torch
 
@@ -68,6 +70,22 @@ def save_tiny_model(path, seed: int = 0) -> str:
     tiny_model(tokenizer, seed=seed).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@contextlib.contextmanager
+def fed_widths(model) -> Iterator[list[int]]:
+    """Within the block, the list collects how many positions each forward of ``model`` was fed.
+
+    >>> with fed_widths(model) as widths:
+    ...     backend.generate(prompts, params)   # widths[0]: the first prefill's width
+    """
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        yield widths
+    finally:
+        hook.remove()
 
 
 class MagicWordEnv(Env):

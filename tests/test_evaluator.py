@@ -11,7 +11,7 @@ import torch
 from contrail import envs
 from contrail.agent.rollout import RolloutConfig
 from contrail.evaluation import Evaluator, preserved_rng, summarize
-from contrail.testing import BerryWordEnv, MagicWordEnv, tiny_model, tiny_tokenizer
+from contrail.testing import BerryWordEnv, MagicWordEnv, fed_widths, tiny_model, tiny_tokenizer
 
 ROLLOUT = RolloutConfig(max_new_tokens=3, max_episode_tokens=256)
 
@@ -132,15 +132,10 @@ def test_an_evaluation_batch_beyond_64_episodes_keeps_its_kv_cache_across_turns(
     model = tiny_model(tokenizer)
     tasks = {"magic:easy": envs.make("magic").tasks("test", "easy")}  # 20 tasks x k=4: 80 episodes, one batch
     rollout = RolloutConfig(max_new_tokens=3, max_episode_tokens=256, max_turns=3)
-    widths = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
-                                           with_kwargs=True)
-    try:
-        played: dict = {}
+    played: dict = {}
+    with fed_widths(model) as widths:
         Evaluator(tasks, factory, rollout, k=4, batch_episodes=80, seed=1, show_progress=False)(
             model, tokenizer, episodes=played)
-    finally:
-        hook.remove()
     assert max(t.turns for t in played["magic:easy"]) == 3  # later turns were played
     instructions = widths[0]  # the first forward: the prompts' shared opening, once
     assert instructions > 16

@@ -12,7 +12,7 @@ from contrail.agent import ChatFormat, HFBackend, RolloutConfig, Trajectory, rol
 from contrail.envs.base import Task
 from contrail.grpo.config import GRPOConfig
 from contrail.grpo.trainer import GRPOTrainer, TooManyEpisodeErrors
-from contrail.testing import MagicWordEnv, tiny_model, tiny_tokenizer
+from contrail.testing import MagicWordEnv, fed_widths, tiny_model, tiny_tokenizer
 from contrail.train import checkpointed_prefix
 from contrail.train.trainer import CheckpointError, NonFiniteError
 
@@ -218,13 +218,8 @@ def test_a_step_of_more_than_64_episodes_keeps_its_kv_cache_across_turns():
     tokenizer = tiny_tokenizer()
     trainer = grpo(tiny_model(tokenizer, seed=10), tokenizer, GRPOConfig(group_size=4, tasks_per_step=20),
                    rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256, max_turns=3))
-    widths = []
-    hook = trainer.model.register_forward_pre_hook(
-        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
-    try:
+    with fed_widths(trainer.model) as widths:
         trajectories = trainer.collect(train_tasks()[:20])  # 80 episodes
-    finally:
-        hook.remove()
     assert len(trajectories) == 80 and max(t.turns for t in trajectories) == 3
     assert sum(width >= widths[0] for width in widths) == 1  # the shared instructions, prefilled once
 
