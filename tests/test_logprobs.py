@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from contrail.train import checkpointed_prefix
-from contrail.train.logprobs import selective_logprobs, sequence_logprobs, token_entropy
+from contrail.train.logprobs import logprobs_and_entropy, selective_logprobs, sequence_logprobs, token_entropy
 
 
 def reference_logprobs(logits, targets):
@@ -64,6 +64,25 @@ def test_gradients_match_full_log_softmax():
     mine.grad, ref.grad = None, None
     (token_entropy(mine, chunk_size=4) * weights).sum().backward()
     (reference_entropy(ref) * weights).sum().backward()
+    torch.testing.assert_close(mine.grad, ref.grad, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_logprobs_and_entropy_in_one_pass_match_the_full_softmax(entropy_grad):
+    logits, targets = random_batch(seed=4)
+    lp_weights, h_weights = torch.randn(2, *targets.shape, generator=torch.Generator().manual_seed(5))
+    mine, ref = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+
+    logprobs, entropies = logprobs_and_entropy(mine, targets, chunk_size=4)
+    torch.testing.assert_close(logprobs, reference_logprobs(logits, targets), rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropies, reference_entropy(logits), rtol=0, atol=1e-5)
+    # A logged entropy (detached, as GRPO without an entropy bonus) must not enter the gradient.
+    entropy_term = entropies if entropy_grad else entropies.detach()
+    ((logprobs * lp_weights).sum() + (entropy_term * h_weights).sum()).backward()
+    expected = (reference_logprobs(ref, targets) * lp_weights).sum()
+    if entropy_grad:
+        expected = expected + (reference_entropy(ref) * h_weights).sum()
+    expected.backward()
     torch.testing.assert_close(mine.grad, ref.grad, rtol=0, atol=1e-5)
 
 

@@ -252,6 +252,21 @@ def test_non_finite_weights_are_never_saved(tokenizer, tmp_path):
     assert not (tmp_path / "ckpt" / "model").exists() and not (tmp_path / "model").exists()
 
 
+def test_weights_finite_is_exact_when_finite_weights_sum_past_the_float_range(tokenizer):
+    trainer = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig())
+    weight = next(trainer.unwrapped.parameters())
+    with torch.no_grad():
+        weight[:2, :] = 3e38  # every element finite, their sum overflows to inf
+    assert trainer.weights_finite()
+    with torch.no_grad():
+        weight[0, 0] = float("inf")
+    assert not trainer.weights_finite()
+    with torch.no_grad():
+        weight.fill_(0.5)
+        weight[-1, -1] = float("nan")
+    assert not trainer.weights_finite()
+
+
 def test_pack_by_prompt_keeps_a_prompt_together_and_counts_its_prefix_once():
     prompt = lambda k: [k] * 30  # noqa: E731 - three prompts of 30 ids
     samples = [Sample(prompt(k) + [7] * n, [0] * 30 + [1] * n) for k, n in

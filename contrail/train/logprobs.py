@@ -7,9 +7,10 @@ subtract a logsumexp computed a chunk of rows at a time, in fp32 even when the
 logits are bf16 (bf16's 8-bit mantissa makes a logsumexp over ~50k entries
 drift by whole hundredths of a nat).
 
-Both functions are ``torch.autograd.Function`` s that keep only the input
-logits and one number per row for the backward pass, and recompute the
-softmax chunk by chunk there. Plain autograd would save an fp32 copy of every
+All three public functions run one ``torch.autograd.Function`` that keeps
+only the input logits and a number or two per row for the backward pass, and
+recomputes the softmax chunk by chunk there; log-probs and entropies wanted
+together share each chunk's upcast and ``exp`` (`logprobs_and_entropy`). Plain autograd would save an fp32 copy of every
 chunk, i.e. the very full-vocabulary tensor this module exists to avoid.
 """
 
@@ -20,7 +21,7 @@ import torch
 from contrail.models import forward_accepts
 from contrail.train import checkpointed_prefix
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "selective_logprobs", "sequence_logprobs", "token_entropy"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "logprobs_and_entropy", "selective_logprobs", "sequence_logprobs", "token_entropy"]
 
 # Rows per chunk: 512 rows × 49k vocabulary × 4 bytes ≈ 100 MB of fp32 scratch.
 DEFAULT_CHUNK_SIZE = 512
@@ -44,27 +45,37 @@ def selective_logprobs(
         ``(...)`` log-probs, fp32 (fp64 for fp64 logits); differentiable with
         respect to ``logits``.
     """
-    _check_logits(logits, chunk_size)
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}"
-        )
-    if torch.is_floating_point(targets) or targets.dtype == torch.bool:
-        raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+    _check_targets(logits, targets, chunk_size)
     vocab = logits.shape[-1]
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
-        low, high = int(targets.min()), int(targets.max())
-        raise ValueError(f"targets must lie in [0, {vocab}), got values in [{low}, {high}]")
     flat = logits.reshape(-1, vocab)
-    out = _SelectiveLogprobs.apply(flat, targets.reshape(-1).long(), chunk_size)
-    return out.reshape(targets.shape)
+    logprobs, _ = _LogSoftmaxStats.apply(flat, targets.reshape(-1).long(), chunk_size, False)
+    return logprobs.reshape(targets.shape)
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`selective_logprobs` and `token_entropy` of the same logits, in one pass over them.
+
+    The two share ``log p = x - logsumexp(x)``: together they cost one fp32
+    upcast and one ``exp`` per chunk instead of two, and an entropy that is
+    only logged (never differentiated) adds nothing to the backward pass.
+
+    Returns:
+        ``(logprobs, entropies)``, each shaped like ``targets``, fp32.
+    """
+    _check_targets(logits, targets, chunk_size)
+    vocab = logits.shape[-1]
+    logprobs, entropies = _LogSoftmaxStats.apply(logits.reshape(-1, vocab), targets.reshape(-1).long(), chunk_size,
+                                                 True)
+    return logprobs.reshape(targets.shape), entropies.reshape(targets.shape)
 
 
 def token_entropy(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
     """Entropy ``H = -Σ_v p_v log p_v`` of each row's softmax, chunked, in fp32.
 
-    Computed as ``H = logsumexp(x) - Σ_v p_v x_v`` (substitute
-    ``log p_v = x_v - logsumexp(x)``), which needs no log-softmax tensor.
+    Computed chunk by chunk from ``log p_v = x_v - logsumexp(x)``, so no
+    full-vocabulary log-softmax tensor is ever kept.
 
     Args:
         logits: ``(..., vocab)`` float tensor.
@@ -75,8 +86,8 @@ def token_entropy(logits: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE) ->
     """
     _check_logits(logits, chunk_size)
     vocab = logits.shape[-1]
-    out = _TokenEntropy.apply(logits.reshape(-1, vocab), chunk_size)
-    return out.reshape(logits.shape[:-1])
+    _, entropies = _LogSoftmaxStats.apply(logits.reshape(-1, vocab), None, chunk_size, True)
+    return entropies.reshape(logits.shape[:-1])
 
 
 def sequence_logprobs(
@@ -151,12 +162,10 @@ def sequence_logprobs(
     targets = input_ids[:, start:]
     # A token counts only if both it and the token predicting it are real.
     valid = attention_mask[:, start:].bool() & attention_mask[:, start - 1 : -1].bool()
-    logprobs = selective_logprobs(logits, targets, chunk_size)
-    logprobs = _place(logprobs, valid, start, length)
     if not return_entropy:
-        return logprobs
-    entropies = _place(token_entropy(logits, chunk_size), valid, start, length)
-    return logprobs, entropies
+        return _place(selective_logprobs(logits, targets, chunk_size), valid, start, length)
+    logprobs, entropies = logprobs_and_entropy(logits, targets, chunk_size)
+    return _place(logprobs, valid, start, length), _place(entropies, valid, start, length)
 
 
 def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> torch.Tensor:
@@ -231,6 +240,20 @@ def _place(values: torch.Tensor, valid: torch.Tensor, start: int, length: int) -
     return out
 
 
+def _check_targets(logits: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> None:
+    _check_logits(logits, chunk_size)
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, got {tuple(targets.shape)}"
+        )
+    if torch.is_floating_point(targets) or targets.dtype == torch.bool:
+        raise ValueError(f"targets must hold integer token ids, got dtype {targets.dtype}")
+    vocab = logits.shape[-1]
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab):
+        low, high = int(targets.min()), int(targets.max())
+        raise ValueError(f"targets must lie in [0, {vocab}), got values in [{low}, {high}]")
+
+
 def _check_logits(logits: torch.Tensor, chunk_size: int) -> None:
     if not isinstance(logits, torch.Tensor) or logits.dim() < 1 or not torch.is_floating_point(logits):
         raise ValueError("logits must be a floating tensor shaped (..., vocab)")
@@ -244,67 +267,59 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-class _SelectiveLogprobs(torch.autograd.Function):
-    """``x[y] - logsumexp(x)`` per row; backward ``g·(onehot(y) - softmax(x))``."""
+# Logits below this are treated as this (a -inf logit is a banned token): its
+# probability still underflows to exactly 0, and 0 * log p stays 0, not NaN.
+_FLOOR = -1e30
+
+
+class _LogSoftmaxStats(torch.autograd.Function):
+    """Per row: ``log p(y) = x_y - lse(x)`` and/or ``H = -Σ p log p``, one pass over each chunk.
+
+    Both read the same ``log p = x - lse(x)``, so asking for both costs one
+    upcast and one ``exp`` per chunk, not two. Backward, per chunk:
+    ``∂/∂x = g_lp·(onehot(y) - p) - g_H·p·(log p + H)``; an output whose
+    gradient is not needed (a logged entropy) adds no work.
+    """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor | None, chunk_size: int, entropy: bool):
         dtype = _compute_dtype(logits.dtype)
         lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
-        for rows in _chunks(logits.shape[0], chunk_size):
-            lse[rows] = torch.logsumexp(logits[rows].to(dtype), dim=-1)
-        picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).to(dtype)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.chunk_size = chunk_size
-        return picked - lse
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        logits, targets, lse = ctx.saved_tensors
-        grad = torch.empty_like(logits)
-        for rows in _chunks(logits.shape[0], ctx.chunk_size):
-            g = grad_out[rows].to(lse.dtype).unsqueeze(-1)
-            softmax = torch.exp(logits[rows].to(lse.dtype) - lse[rows].unsqueeze(-1))
-            chunk = -g * softmax
-            chunk.scatter_add_(-1, targets[rows].unsqueeze(-1), g)
-            grad[rows] = chunk.to(logits.dtype)
-        return grad, None, None
-
-
-class _TokenEntropy(torch.autograd.Function):
-    """``lse(x) - Σ p x`` per row; backward ``-g·p·(x - Σ p x)``."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, chunk_size: int) -> torch.Tensor:
-        dtype = _compute_dtype(logits.dtype)
-        lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
-        expected = torch.empty_like(lse)  # Σ_v p_v x_v, kept for the backward pass
+        entropies = torch.empty_like(lse) if entropy else None
         for rows in _chunks(logits.shape[0], chunk_size):
             x = logits[rows].to(dtype)
             lse[rows] = torch.logsumexp(x, dim=-1)
-            p = torch.exp(x - lse[rows].unsqueeze(-1))
-            expected[rows] = _p_times(p, x).sum(-1)
-        ctx.save_for_backward(logits, lse, expected)
+            if entropy:
+                logp = x.clamp(min=_FLOOR).sub_(lse[rows].unsqueeze(-1))
+                entropies[rows] = -torch.linalg.vecdot(logp.exp(), logp)
+        logprobs = None
+        if targets is not None:
+            logprobs = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1).to(dtype) - lse
+        ctx.save_for_backward(logits, targets, lse, entropies)
         ctx.chunk_size = chunk_size
-        return lse - expected
+        ctx.set_materialize_grads(False)
+        return logprobs, entropies
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        logits, lse, expected = ctx.saved_tensors
+    def backward(ctx, grad_logprobs: torch.Tensor | None, grad_entropies: torch.Tensor | None):
+        logits, targets, lse, entropies = ctx.saved_tensors
+        if grad_logprobs is None and grad_entropies is None:
+            return torch.zeros_like(logits), None, None, None
         grad = torch.empty_like(logits)
         for rows in _chunks(logits.shape[0], ctx.chunk_size):
-            x = logits[rows].to(lse.dtype)
-            p = torch.exp(x - lse[rows].unsqueeze(-1))
-            # dH/dx_k = -p_k (x_k - Σ_v p_v x_v)
-            chunk = -grad_out[rows].to(lse.dtype).unsqueeze(-1) * _p_times(p, x - expected[rows].unsqueeze(-1))
+            logp = logits[rows].to(lse.dtype).clamp(min=_FLOOR).sub_(lse[rows].unsqueeze(-1))  # a copy: `.to` may not
+            p = logp.exp()
+            if grad_entropies is not None:  # -g_H · p · (log p + H)
+                weight = logp.add_(entropies[rows].unsqueeze(-1)).mul_(grad_entropies[rows].to(lse.dtype).unsqueeze(-1))
+                if grad_logprobs is not None:
+                    weight.add_(grad_logprobs[rows].to(lse.dtype).unsqueeze(-1))
+            else:
+                weight = grad_logprobs[rows].to(lse.dtype).unsqueeze(-1)
+            chunk = p.mul_(weight).neg_()
+            if grad_logprobs is not None:
+                chunk.scatter_add_(-1, targets[rows].unsqueeze(-1), grad_logprobs[rows].to(lse.dtype).unsqueeze(-1))
             grad[rows] = chunk.to(logits.dtype)
-        return grad, None
-
-
-def _p_times(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``p * x`` with 0 where ``p == 0``: a -inf logit (a banned token) has
-    probability 0 and must contribute 0, not ``0 * -inf = NaN``."""
-    return torch.where(p > 0, p * x, torch.zeros((), dtype=p.dtype, device=p.device))
+        return grad, None, None, None
 
 
 def _chunks(n: int, size: int):
