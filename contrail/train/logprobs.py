@@ -10,8 +10,9 @@ drift by whole hundredths of a nat).
 All three public functions run one ``torch.autograd.Function`` that keeps
 only the input logits and a number or two per row for the backward pass, and
 recomputes the softmax chunk by chunk there; log-probs and entropies wanted
-together share each chunk's upcast and ``exp`` (`logprobs_and_entropy`). Plain autograd would save an fp32 copy of every
-chunk, i.e. the very full-vocabulary tensor this module exists to avoid.
+together share each chunk's upcast and ``exp`` (`logprobs_and_entropy`).
+Plain autograd would save an fp32 copy of every chunk, i.e. the very
+full-vocabulary tensor this module exists to avoid.
 """
 
 from __future__ import annotations
@@ -287,10 +288,10 @@ class _LogSoftmaxStats(torch.autograd.Function):
         lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)
         entropies = torch.empty_like(lse) if entropy else None
         for rows in _chunks(logits.shape[0], chunk_size):
-            x = logits[rows].to(dtype)
+            x = logits[rows].to(dtype, copy=entropy)  # the entropy's in-place work needs a chunk of its own
             lse[rows] = torch.logsumexp(x, dim=-1)
             if entropy:
-                logp = x.clamp(min=_FLOOR).sub_(lse[rows].unsqueeze(-1))
+                logp = x.clamp_(min=_FLOOR).sub_(lse[rows].unsqueeze(-1))
                 entropies[rows] = -torch.linalg.vecdot(logp.exp(), logp)
         logprobs = None
         if targets is not None:
@@ -307,17 +308,18 @@ class _LogSoftmaxStats(torch.autograd.Function):
             return torch.zeros_like(logits), None, None, None
         grad = torch.empty_like(logits)
         for rows in _chunks(logits.shape[0], ctx.chunk_size):
-            logp = logits[rows].to(lse.dtype).clamp(min=_FLOOR).sub_(lse[rows].unsqueeze(-1))  # a copy: `.to` may not
+            logp = logits[rows].to(lse.dtype, copy=True).clamp_(min=_FLOOR).sub_(lse[rows].unsqueeze(-1))
             p = logp.exp()
-            if grad_entropies is not None:  # -g_H · p · (log p + H)
+            g_lp = None if grad_logprobs is None else grad_logprobs[rows].to(lse.dtype).unsqueeze(-1)
+            if grad_entropies is None:
+                weight = g_lp
+            else:  # -g_H · p · (log p + H), plus the log-probs' -g_lp · p
                 weight = logp.add_(entropies[rows].unsqueeze(-1)).mul_(grad_entropies[rows].to(lse.dtype).unsqueeze(-1))
-                if grad_logprobs is not None:
-                    weight.add_(grad_logprobs[rows].to(lse.dtype).unsqueeze(-1))
-            else:
-                weight = grad_logprobs[rows].to(lse.dtype).unsqueeze(-1)
+                if g_lp is not None:
+                    weight.add_(g_lp)
             chunk = p.mul_(weight).neg_()
-            if grad_logprobs is not None:
-                chunk.scatter_add_(-1, targets[rows].unsqueeze(-1), grad_logprobs[rows].to(lse.dtype).unsqueeze(-1))
+            if g_lp is not None:
+                chunk.scatter_add_(-1, targets[rows].unsqueeze(-1), g_lp)
             grad[rows] = chunk.to(logits.dtype)
         return grad, None, None, None
 

@@ -682,14 +682,8 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-__all__ = ["STATE_JSON", "STATE_TENSORS", "Batch", "CheckpointError", "MaskedTokenTrainer", "NonFiniteError",
-           "Sample", "collate", "cross_entropy_loss", "load_tensors_file", "make_accelerator", "pack_by_prompt",
-           "pack_by_tokens", "shared_prefix_length",
-           "process_state"]
-
-
 def _every_element_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every element of ``tensors`` is finite, in one synchronisation.
+    """Whether every element of ``tensors`` is finite (one synchronisation when they are).
 
     A sum is finite only if every term is (a NaN or an infinity makes it NaN
     or infinite), so finite sums settle it with one fast pass per tensor,
@@ -701,3 +695,8 @@ def _every_element_finite(tensors: list[torch.Tensor]) -> bool:
             return True
         return bool(torch.stack([torch.isfinite(t).all() for t in tensors]).all())
 
+
+__all__ = ["STATE_JSON", "STATE_TENSORS", "Batch", "CheckpointError", "MaskedTokenTrainer", "NonFiniteError",
+           "Sample", "collate", "cross_entropy_loss", "load_tensors_file", "make_accelerator", "pack_by_prompt",
+           "pack_by_tokens", "shared_prefix_length",
+           "process_state"]
