@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from contrail import envs
+from contrail.precision import PRECISIONS
 
 # Wide tables when printing to a file or a pipe (rich would otherwise assume 80 columns).
 console = Console() if sys.stdout.isatty() else Console(width=150)
@@ -390,7 +391,8 @@ def add_training_arguments(parser: argparse.ArgumentParser, lr: float) -> None:
     """GRPO optimisation options of ``contrail train``."""
     group = parser.add_argument_group("optimisation")
     group.add_argument("--lr", type=float, default=lr)
-    group.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    group.add_argument("--precision", default="fp32", choices=PRECISIONS,
+                       help="auto: bf16 where the device has bf16 matrix units, else fp32")
     group.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft) instead of all weights")
     group.add_argument("--micro-batch-tokens", type=_positive, default=4096, help="padded tokens per micro-batch")
     group.add_argument("--gradient-checkpointing", action="store_true")
@@ -447,7 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_sft.add_argument("--batch-size", type=_positive, default=8, help="episodes per optimizer step")
     p_sft.add_argument("--max-episode-tokens", type=_positive, default=2048)
     p_sft.add_argument("--lr", type=float, default=1e-4)
-    p_sft.add_argument("--precision", default="bf16", choices=["fp32", "bf16"])
+    p_sft.add_argument("--precision", default="auto", choices=PRECISIONS,
+                       help="auto (default): bf16 where the device has bf16 matrix units, else fp32")
     p_sft.add_argument("--out", required=True, help="output directory (its model/ is loadable by eval)")
     p_sft.add_argument("--restart", action="store_true", help="ignore a checkpoint in --out and start over")
     p_sft.set_defaults(handler=cmd_sft)

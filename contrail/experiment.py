@@ -62,6 +62,7 @@ from contrail.envs.base import UnknownNameError
 from contrail.grpo.config import GRPOConfig
 from contrail.integrations.trackers import TrackingSpec
 from contrail.models import check_device, check_device_name
+from contrail.precision import PRECISIONS, Precision
 from contrail.seeds import check_seed
 from contrail.strategies import Strategy
 from contrail.stream import Experience, Stream
@@ -121,13 +122,13 @@ class WarmStart:
     lr: float = 1e-4
     max_episode_tokens: int = 2048
     batch_size: int = 8
-    precision: Literal["fp32", "bf16"] = "bf16"
+    precision: Precision = "auto"  # bf16 where the device has bf16 matrix units (`contrail.precision`)
 
     def __post_init__(self) -> None:
         if not self.envs:
             raise ValueError("envs must name at least one environment spec (e.g. [babyai:easy])")
         _specs(self, "envs")
-        _choice(self, "precision", ("fp32", "bf16"))
+        _choice(self, "precision", PRECISIONS)
         _at_least(self, 1, "episodes", "epochs", "max_episode_tokens", "batch_size")
         _finite_positive(self, "lr")
 

@@ -49,6 +49,7 @@ from contrail.evaluation import EvalResult, Evaluator, select_tasks
 from contrail.integrations.trackers import Tracking
 from contrail.metrics import summarize
 from contrail.models import load_model
+from contrail.precision import describe_precision
 from contrail.progress import console
 from contrail.results import RunDir, RunExistsError, result_matrix, truncate_log
 from contrail.seeds import derive_seed
@@ -141,6 +142,9 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
     stages = _replay_plan(run_dir, experiment, stream, strategy)
 
     trainer = _make_trainer(experiment, stream, model, tokenizer, run_dir, show_progress)
+    if processes.is_main_process:
+        device = trainer.accelerator.device
+        console.print(f"GRPO and evaluation in {describe_precision(experiment.grpo.precision, device)}")
     tracking = Tracking(experiment.tracking, trainer.accelerator, run_dir.path, experiment.name,
                         yaml.safe_load(experiment.to_yaml()))
     if done >= 1:
@@ -412,7 +416,7 @@ def _evaluate(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir, stage
               experiment: Experiment, episodes: dict[str, list] | None = None) -> dict[str, EvalResult]:
     description = f"evaluating after stage {stage}" if stage else "evaluating the start model"
     return evaluator(trainer.model, trainer.tokenizer, trajectories_path=run_dir.trajectories_path(stage),
-                     description=description, autocast_bf16=experiment.grpo.precision == "bf16",
+                     description=description, autocast_bf16=trainer.precision == "bf16",
                      episodes=episodes)
 
 
@@ -426,7 +430,8 @@ def _evaluate_start(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir,
     """
     cacheable = experiment.model.warmstart is not None and tracker is None
     if cacheable:
-        entry = eval_cache.entry_dir(start_model, _start_evaluation_key(experiment, stream, start_model))
+        entry = eval_cache.entry_dir(start_model, _start_evaluation_key(experiment, stream, start_model,
+                                                                        trainer.precision))
         results = eval_cache.load(entry, run_dir.trajectories_path(0))
         if results is not None:
             console.print(f"row 0: reusing the warm-start's evaluation from {entry}")
@@ -440,7 +445,7 @@ def _evaluate_start(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir,
     return results
 
 
-def _start_evaluation_key(experiment: Experiment, stream: Stream, start_model: str) -> str:
+def _start_evaluation_key(experiment: Experiment, stream: Stream, start_model: str, precision: str) -> str:
     """Everything that decides row 0's episodes (see `_make_evaluator` and `_evaluate`)."""
     return eval_cache.evaluation_key(
         start_model=str(start_model),
@@ -448,7 +453,7 @@ def _start_evaluation_key(experiment: Experiment, stream: Stream, start_model: s
         env_options={e.name: e.env_options for e in stream.experiences},
         rollout=experiment.eval_rollout, k=experiment.eval.k, batch_episodes=experiment.eval.batch_episodes,
         seed=derive_seed(experiment.seed, "eval"), sampling="per-episode streams",  # `evaluation.episode_seed`
-        precision=experiment.grpo.precision,
+        precision=precision,  # resolved: an "auto" run's episodes depend on what it resolved to
         dtype=experiment.model.dtype, device=experiment.model.device,
         lora=[experiment.grpo.lora, experiment.grpo.lora_r, experiment.grpo.lora_target_modules],
     )

@@ -162,7 +162,7 @@ def test_train_builds_the_warm_start_run_builds(tmp_path):
     from contrail.experiment import load_experiment
 
     assert from_cli == load_experiment(experiment).model.warmstart
-    assert from_cli.precision == "bf16" and from_cli.epochs == 2
+    assert from_cli.precision == "auto" and from_cli.epochs == 2
 
 
 def test_eval_writes_results_and_readable_trajectories(capsys, tmp_path):

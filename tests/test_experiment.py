@@ -265,7 +265,7 @@ def test_check_catches_what_python_construction_cannot(tmp_path):
     (BASIC + "model: {warmstart: {envs: [tiny-a:easy], episodes: many}}\n",
      r"model.warmstart.episodes: expected an integer, got str 'many'"),
     (BASIC + "model: {warmstart: {envs: [tiny-a:easy], precision: fp16}}\n",
-     r"model.warmstart.precision: invalid value 'fp16'; valid: fp32, bf16"),
+     r"model.warmstart.precision: invalid value 'fp16'; valid: auto, fp32, bf16"),
     (BASIC + "model: {warmstart: {envs: []}}\n", r"model.warmstart.envs: must name at least one environment"),
     (BASIC + "out: runs/${nope}\n", r"exp.yaml: cannot resolve an interpolation"),
     ("- a\n- b\n", r"exp.yaml: an experiment must be a mapping"),
@@ -483,7 +483,7 @@ def test_describe_plan(tmp_path):
 
 
 def test_sections_validate_when_built_in_python():
-    with pytest.raises(ValueError, match="precision must be one of fp32, bf16"):
+    with pytest.raises(ValueError, match="precision must be one of auto, fp32, bf16"):
         WarmStart(envs=["tiny-a"], precision="fp16")
     with pytest.raises(ValueError, match="device: device 'gpu' is not a device"):
         ModelSpec(device="gpu")

@@ -162,7 +162,7 @@ def test_checkpoint_resume_continues_identically(tokenizer, tmp_path):
     ("max_grad_norm", 0.0, "max_grad_norm must be > 0"),
     ("max_grad_norm", float("inf"), "max_grad_norm must be a finite number"),
     ("micro_batch_tokens", 1, "micro_batch_tokens must be >= 2"),
-    ("precision", "fp8", "precision must be one of fp32, bf16"),
+    ("precision", "fp8", "precision must be one of auto, fp32, bf16"),
     ("lora", "yes", "lora must be true or false"),
     ("lora_r", 0, "lora_r must be >= 1"),
     ("lora_alpha", 0, "lora_alpha must be > 0"),

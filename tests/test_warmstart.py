@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields, replace
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from contrail.experiment import WarmStart
@@ -254,3 +255,19 @@ def test_row_0_is_read_back_from_the_warm_starts_cache_until_an_input_changes(ba
     assert row0(tmp_path / "b") == row0(tmp_path / "a") != ""
     run(experiment(tmp_path / "c", k=2), show_progress=False)  # another evaluation: played again
     assert len(played) == 5
+
+
+def test_auto_precision_shares_the_cache_entry_of_what_it_resolves_to(base_model, monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    path = warmstart(base_model, SPEC, seed=3, dtype="float32", show_progress=False)  # SPEC trains in fp32
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("auto (fp32 on this device) trained a second warm-start")
+
+    monkeypatch.setattr(sft, "train_sft", no_training)
+    assert warmstart(base_model, replace(SPEC, precision="auto"), seed=3, dtype="float32",
+                     show_progress=False) == path
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)  # now bf16: another entry
+    with pytest.raises(AssertionError, match="trained a second"):
+        warmstart(base_model, replace(SPEC, precision="auto"), seed=3, dtype="float32", show_progress=False)

@@ -117,7 +117,7 @@ class GRPOTrainer:
         self.accelerator = self.masked_trainer.accelerator
         self.policy = Policy.from_model(self.model, tokenizer,
                                         seed=derive_seed(seed, "rollout", self.accelerator.process_index),
-                                        autocast_bf16=config.precision == "bf16", rollout=rollout,
+                                        autocast_bf16=self.precision == "bf16", rollout=rollout,
                                         # a step's episodes in one batch, its KV cache kept across turns
                                         max_batch_size=config.tasks_per_step * config.group_size)
         self.reference = self._make_reference() if config.beta > 0 else None
@@ -135,6 +135,11 @@ class GRPOTrainer:
     @property
     def tokenizer(self):
         return self.masked_trainer.tokenizer
+
+    @property
+    def precision(self) -> str:
+        """What updates and rollouts compute in, ``"fp32"`` or ``"bf16"`` (``"auto"`` resolved for this device)."""
+        return self.masked_trainer.precision
 
     def full_weights(self):
         """A context to sample in: the whole model on every process (FSDP unshards it), LoRA merged in.

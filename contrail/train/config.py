@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
 
-Precision = Literal["fp32", "bf16"]
-PRECISIONS: tuple[str, ...] = get_args(Precision)
+from contrail.precision import PRECISIONS, Precision
 
 
 @dataclass

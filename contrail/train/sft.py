@@ -33,6 +33,7 @@ from accelerate import PartialState
 from contrail import __version__
 from contrail.models import cache_dir, load_model
 from contrail.paths import cache_lock
+from contrail.precision import describe_precision, resolve_precision
 from contrail.progress import StepProgress, console
 from contrail.results import truncate_log
 from contrail.seeds import derive_seed
@@ -137,12 +138,15 @@ def warmstart(model_name: str, spec: WarmStart, *, seed: int = 0, dtype: str = "
         dtype: the dtype the model is loaded in.
         show_progress: show progress bars.
     """
+    processes = PartialState()
+    # The precision trained in, resolved for this device: "auto" and what it means here share one cache entry.
+    requested = spec.precision
+    spec = dataclasses.replace(spec, precision=resolve_precision(requested, processes.device))
     key = warmstart_key(model_name, spec, seed=seed, dtype=dtype)
     directory = cache_dir() / "warmstart" / key
     if _has_model(directory / "model"):
         console.print(f"warm-start: reusing {directory / 'model'}")
         return directory / "model"
-    processes = PartialState()
     # One run trains it; others sharing the cache wait, then reuse it. Only the main process takes
     # the lock: the others of its launch wait at the barrier, as they would otherwise deadlock in
     # the training's collectives with a main process still waiting for the lock.
@@ -152,7 +156,7 @@ def warmstart(model_name: str, spec: WarmStart, *, seed: int = 0, dtype: str = "
             console.print(f"warm-start: reusing {directory / 'model'} (trained meanwhile by another run)")
             return directory / "model"
         console.print(f"warm-start: training {model_name} on {spec.episodes} expert episodes of "
-                      f"{', '.join(spec.envs)}")
+                      f"{', '.join(spec.envs)} in {describe_precision(requested, processes.device)}")
         staging = directory.with_name(directory.name + ".partial")
         train_sft(model_name, spec, staging, seed=seed, dtype=dtype, resume=True, show_progress=show_progress)
         if processes.is_main_process:

@@ -38,6 +38,7 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType
 
+from contrail.precision import resolve_precision
 from contrail.seeds import check_seed, derive_seed
 from contrail.train import checkpointed_prefix
 from contrail.train.config import TrainConfig
@@ -240,6 +241,7 @@ class MaskedTokenTrainer:
         self.tokenizer = tokenizer
         self.seed = check_seed(seed)
         self.accelerator = accelerator or make_accelerator(config, log_dir)
+        self.precision = resolve_precision(config.precision, self.accelerator.device)  # "auto" decided here, once
         _seed_everything(derive_seed(seed, "train", self.accelerator.process_index))
         if config.lora:
             model = _apply_lora(model, config)
@@ -426,13 +428,12 @@ class MaskedTokenTrainer:
                 block.set_reshard_after_forward(block is not self.model, recurse=False)
 
     def autocast(self):
-        """bf16 compute with fp32 master weights when ``precision == "bf16"`` (CPU and GPU).
+        """bf16 compute with fp32 master weights when `precision` is ``"bf16"`` (CPU and GPU).
 
         Done here rather than through Accelerate's ``mixed_precision``, which is
         fixed once per process: warm-start and GRPO may use different precisions.
         """
-        return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16,
-                              enabled=self.config.precision == "bf16")
+        return torch.autocast(self.accelerator.device.type, dtype=torch.bfloat16, enabled=self.precision == "bf16")
 
     def _sync_gradients(self, last: bool):
         """Skip the gradient all-reduce on every micro-batch but the last (one sync per step)."""
