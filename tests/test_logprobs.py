@@ -1,5 +1,6 @@
 """Chunked log-probs and entropies against the plain full log-softmax."""
 
+import copy
 import math
 
 import pytest
@@ -297,3 +298,69 @@ def test_shared_prefix_must_be_shared_and_before_start(tiny_llama):
         sequence_logprobs(tiny_llama, ids, attention, start=8, shared_prefix=7)
     with pytest.raises(ValueError, match="shared_prefix must be in"):
         sequence_logprobs(tiny_llama, ids, attention, start=6, shared_prefix=6)
+
+
+def _sampled_positions(attention, start=7, seed=8):
+    """A loss mask: some real tokens from ``start`` on, as an episode's sampled turns between observations."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(attention.shape, generator=g) < 0.5).long() * attention
+    mask[:, :start] = 0
+    return mask
+
+
+@pytest.mark.parametrize("shared", [0, 6])
+@pytest.mark.parametrize("entropy", [False, True])
+def test_positions_give_the_plain_values_and_gradients_at_the_wanted_tokens(tiny_llama, shared, entropy):
+    ids, attention = _shared_prefix_batch()
+    positions = _sampled_positions(attention)
+    weights = torch.linspace(0.5, 1.5, ids.shape[1]) * positions
+    results = []
+    for wanted in (None, positions):
+        tiny_llama.zero_grad(set_to_none=True)
+        out = sequence_logprobs(tiny_llama, ids, attention, start=7, return_entropy=entropy, shared_prefix=shared,
+                                positions=wanted)
+        values = out if not entropy else out[0] + out[1]
+        (values * weights).sum().backward()
+        results.append((values.detach(), {n: p.grad.clone() for n, p in tiny_llama.named_parameters()}))
+    (plain, plain_grads), (selected, selected_grads) = results
+    torch.testing.assert_close(selected, plain * positions, rtol=0, atol=1e-5)
+    assert torch.all(selected[positions == 0] == 0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(selected_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    tiny_llama.zero_grad(set_to_none=True)
+
+
+def _head_rows(model, run):
+    """How many hidden states the LM head maps while ``run()`` runs, call by call."""
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: seen.append(output.shape[:-1].numel()))
+    try:
+        run()
+    finally:
+        hook.remove()
+    return seen
+
+
+@pytest.mark.parametrize("shared", [0, 6])
+def test_positions_run_the_head_only_where_it_predicts_a_wanted_token(tiny_llama, shared):
+    ids, attention = _shared_prefix_batch()
+    positions = _sampled_positions(attention)
+    seen = _head_rows(tiny_llama, lambda: sequence_logprobs(tiny_llama, ids, attention, start=7,
+                                                            shared_prefix=shared, positions=positions))
+    assert seen[-1] == int(positions.sum())
+    assert sum(seen) < ids.shape[0] * (ids.shape[1] - 6)  # less than every position from the first wanted one
+
+
+def test_positions_through_a_lora_model(tiny_llama):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(copy.deepcopy(tiny_llama), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    ids, attention = _shared_prefix_batch()
+    positions = _sampled_positions(attention)
+    with torch.no_grad():
+        plain = sequence_logprobs(model, ids, attention, start=7)
+        selected = []
+        seen = _head_rows(model.get_base_model(), lambda: selected.append(
+            sequence_logprobs(model, ids, attention, start=7, positions=positions)))
+    assert seen == [int(positions.sum())]  # the head, found through PEFT's wrappers, ran for those tokens only
+    torch.testing.assert_close(selected[0], plain * positions, rtol=0, atol=1e-5)

@@ -92,7 +92,8 @@ def diagonal_fisher(trainer, episodes, params: list[torch.Tensor]) -> list[torch
     fisher = [torch.zeros_like(p) for p in params]
     for episode in episodes:
         batch = collate([Sample(episode.ids, episode.mask)], trainer.tokenizer.pad_token_id, trainer.accelerator.device)
-        logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start)
+        logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
+                                     positions=batch.loss_mask)
         loglik = (logprobs * batch.loss_mask).sum()
         for f, g in zip(fisher, torch.autograd.grad(loglik, params, allow_unused=True)):
             if g is not None:

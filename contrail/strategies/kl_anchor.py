@@ -61,7 +61,7 @@ class KLAnchor(Sequential):
         """``beta`` times the mean k3 KL to the anchor over the batch's sampled tokens."""
         with torch.no_grad():
             anchor = sequence_logprobs(self._anchor, batch.input_ids, batch.attention_mask, start=batch.start,
-                                       shared_prefix=batch.shared_prefix)
+                                       shared_prefix=batch.shared_prefix, positions=batch.loss_mask)
         mask = batch.loss_mask.bool()
         # Masked positions are zeroed before exp: their values are padding, maybe -inf.
         delta = torch.where(mask, anchor.float() - logprobs.float(), torch.zeros((), device=logprobs.device))

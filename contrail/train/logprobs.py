@@ -17,6 +17,9 @@ full-vocabulary tensor this module exists to avoid.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from contrail.models import forward_accepts
@@ -99,6 +102,7 @@ def sequence_logprobs(
     return_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     shared_prefix: int = 0,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of every token of ``input_ids`` under a causal LM, one forward pass.
 
@@ -134,6 +138,12 @@ def sequence_logprobs(
             backward. Needs rows padded only on the right, and under
             gradient checkpointing a transformers that can checkpoint a
             layer reading a cache (`contrail.train.checkpointed_prefix`).
+        positions: ``(batch, L)`` mask, nonzero at the tokens whose log-probs
+            are wanted (a loss mask: the sampled tokens). The LM head and the
+            log-softmax then run only at the positions predicting them, not
+            over the observations between an episode's turns; every other
+            position holds 0. Models without ``get_output_embeddings()``
+            score every position from ``start`` on and are masked after.
 
     Returns:
         ``logprobs`` ``(batch, L)`` fp32, or ``(logprobs, entropies)``.
@@ -152,21 +162,87 @@ def sequence_logprobs(
     if not 1 <= start <= length - 1:
         raise ValueError(f"start must be in [0, {length - 1}] for length {length}, got {start}")
 
-    keep = length - start + 1  # logits at positions start-1 .. L-1; the last predicts nothing
+    if positions is not None and tuple(positions.shape) != (batch, length):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, input_ids {tuple(input_ids.shape)}")
     if shared_prefix:
         _check_shared_prefix(input_ids, attention_mask, shared_prefix, start)
-        logits = _shared_prefix_logits(model, input_ids, shared_prefix, keep)
-    else:
-        logits = _logits(model, input_ids, attention_mask, keep)
-    logits = logits[:, -keep:-1]  # (batch, L - start, vocab) predicting tokens start..L-1
-
-    targets = input_ids[:, start:]
     # A token counts only if both it and the token predicting it are real.
     valid = attention_mask[:, start:].bool() & attention_mask[:, start - 1 : -1].bool()
-    if not return_entropy:
-        return _place(selective_logprobs(logits, targets, chunk_size), valid, start, length)
-    logprobs, entropies = logprobs_and_entropy(logits, targets, chunk_size)
-    return _place(logprobs, valid, start, length), _place(entropies, valid, start, length)
+    if positions is not None:
+        valid = valid & positions[:, start:].bool()
+    head = _output_head(model) if positions is not None else None
+    if head is None:
+        keep = length - start + 1  # logits at positions start-1 .. L-1; the last predicts nothing
+        logits = _forward_logits(model, input_ids, attention_mask, shared_prefix, keep)[:, -keep:-1]
+        stats = _token_stats(logits, input_ids[:, start:], return_entropy, chunk_size)
+    else:
+        stats = _stats_where(model, head, input_ids, attention_mask, shared_prefix, start, valid, return_entropy,
+                             chunk_size)
+    placed = tuple(_place(values, valid, start, length) for values in stats)
+    return placed if return_entropy else placed[0]
+
+
+def _stats_where(model, head: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 shared_prefix: int, start: int, wanted: torch.Tensor, entropy: bool,
+                 chunk_size: int) -> tuple[torch.Tensor, ...]:
+    """`_token_stats` of the tokens ``wanted`` (``(batch, L - start)``), 0 elsewhere; the head runs only for them."""
+    rows, columns = wanted.nonzero(as_tuple=True)
+    length = input_ids.shape[1]
+    gathering = _head_at(head, rows, columns + (start - 1), length)  # the positions predicting the wanted tokens
+    logits = _forward_logits(model, input_ids, attention_mask, shared_prefix, length - start + 1, gathering)
+    stats = _token_stats(logits, input_ids[rows, columns + start], entropy, chunk_size)
+    return tuple(values.new_zeros(wanted.shape).index_put((rows, columns), values) for values in stats)
+
+
+def _forward_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, shared_prefix: int, keep: int,
+                    gathering: contextlib.AbstractContextManager | None = None) -> torch.Tensor:
+    """The last ``keep`` positions' logits, or what the head returns for them inside ``gathering`` (`_head_at`).
+
+    ``gathering`` is open around the forward of the rows only, not the shared prefix's own.
+    """
+    gathering = gathering if gathering is not None else contextlib.nullcontext()
+    if shared_prefix:
+        return _shared_prefix_logits(model, input_ids, shared_prefix, keep, gathering)
+    with gathering:
+        return _logits(model, input_ids, attention_mask, keep)
+
+
+def _token_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool,
+                 chunk_size: int) -> tuple[torch.Tensor, ...]:
+    """``(logprobs,)`` or ``(logprobs, entropies)`` of ``targets`` under ``logits``."""
+    if entropy:
+        return logprobs_and_entropy(logits, targets, chunk_size)
+    return (selective_logprobs(logits, targets, chunk_size),)
+
+
+def _output_head(model) -> torch.nn.Module | None:
+    """The module mapping hidden states to logits (through DDP-style ``.module`` wrappers), or None."""
+    inner = getattr(model, "module", model)
+    get_head = getattr(inner, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    return head if isinstance(head, torch.nn.Module) else None
+
+
+@contextlib.contextmanager
+def _head_at(head: torch.nn.Module, rows: torch.Tensor, positions: torch.Tensor, length: int) -> Iterator[None]:
+    """While open, ``head`` maps only the hidden states at ``(rows, positions)``: logits ``(n, vocab)``.
+
+    A causal LM's head is most of a small model's vocabulary-sized work
+    (SmolLM2: a 576 × 49k product per token, a fifth of its forward), and an
+    episode's observations between turns are trained on by no loss. The
+    hook sees the forward's last hidden states, whose last column is
+    always position ``length - 1`` (``logits_to_keep`` or a shared prefix
+    only cut columns from the front).
+    """
+    def gather(module, args):
+        hidden = args[0]
+        return (hidden[rows, positions - (length - hidden.shape[1])], *args[1:])
+
+    handle = head.register_forward_pre_hook(gather)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: int) -> torch.Tensor:
@@ -183,7 +259,8 @@ def _logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, keep: 
     return model(**_keep_logits(model, kwargs, keep)).logits
 
 
-def _shared_prefix_logits(model, input_ids: torch.Tensor, prefix: int, keep: int) -> torch.Tensor:
+def _shared_prefix_logits(model, input_ids: torch.Tensor, prefix: int, keep: int,
+                          gathering: contextlib.AbstractContextManager) -> torch.Tensor:
     """The last ``keep`` positions' logits, the rows' shared first ``prefix`` ids forwarded once.
 
     Rows are right-padded, so causal attention alone keeps real tokens from
@@ -208,7 +285,7 @@ def _shared_prefix_logits(model, input_ids: torch.Tensor, prefix: int, keep: int
     # Checkpointed, the rows' layers read the given cache without ``use_cache`` (which they would drop, warning).
     kwargs = {"input_ids": input_ids[:, prefix:], "position_ids": positions, cache_arg: cache,
               "use_cache": not layers}
-    with checkpointed_prefix.reading_cache_under_checkpointing(layers):
+    with checkpointed_prefix.reading_cache_under_checkpointing(layers), gathering:
         return model(**_keep_logits(model, kwargs, keep)).logits
 
 

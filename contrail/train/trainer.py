@@ -628,7 +628,7 @@ def cross_entropy_loss(model, batch: Batch, normalizer: float) -> tuple[torch.Te
     from contrail.train.logprobs import sequence_logprobs
 
     logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
-                                 shared_prefix=batch.shared_prefix)
+                                 shared_prefix=batch.shared_prefix, positions=batch.loss_mask)
     mask = batch.loss_mask
     nll = -(torch.where(mask > 0, logprobs, torch.zeros_like(logprobs))).sum()
     tokens = float(mask.sum())

@@ -1,0 +1,136 @@
+"""What an update's scoring pass costs: the precision ``auto`` picks, and the LM head run only at sampled tokens.
+
+(a) The matrix-product rate of fp32 and bf16 on this machine, side by side,
+    and what ``precision: auto`` resolves to here (`contrail.precision`): a
+    CPU without bf16 matrix units emulates bf16 products.
+(b) One LoRA update's scoring pass (forward and backward of
+    `contrail.train.logprobs.sequence_logprobs` with the entropy, as
+    `GRPOTrainer` runs it) over quickstart-shaped micro-batches: each row a
+    shared prompt, then turns of sampled tokens between observations. Scored
+    at every position from the first sampled token on (before) against
+    ``positions=loss_mask`` (the LM head and log-softmax only where they
+    predict a sampled token), in alternating rounds; the table gives each
+    round's times and the ratio of medians.
+
+    python bench/scoring.py --quick            # SmolLM2-135M, 2 micro-batches of 5 rows, 3 rounds
+    python bench/scoring.py --model tiny       # overheads only
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import _common as common
+import torch
+
+
+def quickstart_batch(rows: int, prefix: int, turns: int, generated: int, observation: int, vocab: int, seed: int):
+    """``(ids, attention, loss_mask)``: ``rows`` episodes sharing ``prefix`` prompt ids, then ``turns`` turns.
+
+    A turn is ``generated`` sampled ids (mask 1) followed by an observation of
+    ``observation`` ids (mask 0), except the last, which ends the episode.
+    Rows end a turn apart (some episodes finish sooner), right-padded.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    lengths, masks = [], []
+    for row in range(rows):
+        own_turns = turns - (row % 2)  # half the rows finish a turn early
+        mask = [0] * prefix
+        for turn in range(own_turns):
+            mask += [1] * generated + ([0] * observation if turn < own_turns - 1 else [])
+        lengths.append(len(mask))
+        masks.append(mask)
+    width = max(lengths)
+    head = torch.randint(5, vocab, (prefix,), generator=generator)
+    ids = torch.zeros((rows, width), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    loss_mask = torch.zeros_like(ids)
+    for row, (length, mask) in enumerate(zip(lengths, masks)):
+        ids[row, :length] = torch.cat([head, torch.randint(5, vocab, (length - prefix,), generator=generator)])
+        attention[row, :length] = 1
+        loss_mask[row, :length] = torch.tensor(mask)
+    return ids, attention, loss_mask
+
+
+def scoring_pass(model, batches, positions: bool, autocast: bool) -> None:
+    """Forward and backward of every micro-batch's scoring, as one update runs it."""
+    from contrail.train.logprobs import sequence_logprobs
+
+    for ids, attention, loss_mask in batches:
+        start = int(torch.nonzero(loss_mask.any(0))[0])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logprobs, entropy = sequence_logprobs(model, ids, attention, start=start, return_entropy=True,
+                                                  shared_prefix=start - 1,
+                                                  positions=loss_mask if positions else None)
+        loss = -(logprobs * loss_mask).sum() / loss_mask.sum() + 0.0 * (entropy * loss_mask).sum()
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def load_lora_model(name: str):
+    import peft
+
+    if name == "tiny":
+        model, _ = common.tiny_model_and_tokenizer()
+    else:
+        from contrail.models import load_model
+
+        model, _ = load_model(name)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    return model.train()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="the defaults below (about five minutes on 2 cores)")
+    parser.add_argument("--model", default="smollm2-135m", help="'tiny', 'smollm2-135m' or a model id")
+    parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"))
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=5, help="rows per micro-batch (the quickstart packs 4-6)")
+    parser.add_argument("--prefix", type=int, default=300, help="shared prompt ids per row")
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--generated", type=int, default=25, help="sampled ids per turn (BabyAI's median: 24)")
+    parser.add_argument("--observation", type=int, default=110, help="observation ids between turns")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating before/after rounds")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    common.set_threads(args.threads)
+    console = common.console()
+    info = common.print_machine(console)
+
+    from contrail.precision import resolve_precision
+
+    fp32, bf16 = common.matmul_flops(torch.float32), common.matmul_flops(torch.bfloat16)
+    resolved = resolve_precision(args.precision, "cpu")
+    console.print(common.table("(a) matrix products, 2048², best of 3", ["fp32 GFLOP/s", "bf16 GFLOP/s",
+                                                                          "bf16 / fp32", "precision auto"],
+                               [[common.fmt(fp32 / 1e9), common.fmt(bf16 / 1e9), common.fmt(bf16 / fp32, 2),
+                                 resolve_precision("auto", "cpu")]]))
+
+    model = load_lora_model(args.model)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    batches = [quickstart_batch(args.rows, args.prefix, args.turns, args.generated, args.observation, vocab, seed)
+               for seed in range(args.micro_batches)]
+    autocast = resolved == "bf16"
+    scoring_pass(model, batches[:1], positions=True, autocast=autocast)  # warm-up: allocator, first-call costs
+    times: dict[str, list[float]] = {"every position": [], "sampled only": []}
+    for _ in range(args.rounds):
+        for label, positions in (("every position", False), ("sampled only", True)):
+            times[label].append(common.timed(lambda positions=positions: scoring_pass(model, batches, positions, autocast))[0])
+    before, after = common.median(times["every position"]), common.median(times["sampled only"])
+    sampled = sum(int(mask.sum()) for _, _, mask in batches)
+    scored = sum(int(attention[:, int(torch.nonzero(mask.any(0))[0]):].sum()) for _, attention, mask in batches)
+    rows = [[label, " / ".join(common.fmt(t, 2) for t in values), common.fmt(common.median(values), 2)]
+            for label, values in times.items()]
+    console.print(common.table(
+        f"(b) LoRA scoring pass, {resolved}: {args.micro_batches} micro-batches x {args.rows} rows, "
+        f"{sampled} sampled of {scored} scored tokens", ["LM head at", "seconds per round", "median"], rows))
+    console.print(f"sampled only / every position: [bold]{after / before:.2f}x[/]")
+    common.write_json(args.json, {"machine": info, "matmul_gflops": {"fp32": fp32 / 1e9, "bf16": bf16 / 1e9},
+                                  "precision": resolved, "seconds": times, "ratio": after / before,
+                                  "sampled_tokens": sampled, "scored_tokens": scored})
+
+
+if __name__ == "__main__":
+    main()
