@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--generated", type=int, default=25, help="sampled ids per turn (BabyAI's median: 24)")
     parser.add_argument("--observation", type=int, default=110, help="observation ids between turns")
     parser.add_argument("--rounds", type=int, default=3, help="alternating before/after rounds")
+    parser.add_argument("--matmul-size", type=int, default=1024, help="(a): square size (bf16 may be emulated: slow)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -101,9 +102,9 @@ def main() -> None:
 
     from contrail.precision import resolve_precision
 
-    fp32, bf16 = common.matmul_flops(torch.float32), common.matmul_flops(torch.bfloat16)
+    fp32, bf16 = (common.matmul_flops(dtype, size=args.matmul_size) for dtype in (torch.float32, torch.bfloat16))
     resolved = resolve_precision(args.precision, "cpu")
-    console.print(common.table("(a) matrix products, 2048², best of 3", ["fp32 GFLOP/s", "bf16 GFLOP/s",
+    console.print(common.table(f"(a) matrix products, {args.matmul_size}², best of 3", ["fp32 GFLOP/s", "bf16 GFLOP/s",
                                                                           "bf16 / fp32", "precision auto"],
                                [[common.fmt(fp32 / 1e9), common.fmt(bf16 / 1e9), common.fmt(bf16 / fp32, 2),
                                  resolve_precision("auto", "cpu")]]))
@@ -117,7 +118,8 @@ def main() -> None:
     times: dict[str, list[float]] = {"every position": [], "sampled only": []}
     for _ in range(args.rounds):
         for label, positions in (("every position", False), ("sampled only", True)):
-            times[label].append(common.timed(lambda positions=positions: scoring_pass(model, batches, positions, autocast))[0])
+            seconds, _ = common.timed(lambda positions=positions: scoring_pass(model, batches, positions, autocast))
+            times[label].append(seconds)
     before, after = common.median(times["every position"]), common.median(times["sampled only"])
     sampled = sum(int(mask.sum()) for _, _, mask in batches)
     scored = sum(int(attention[:, int(torch.nonzero(mask.any(0))[0]):].sum()) for _, attention, mask in batches)
