@@ -361,15 +361,26 @@ def _stages_table(data: RunData) -> list[str]:
         return []
     lines = ["## Stages", "", "| stage | name | newly trained | samples from (share) | GRPO steps | wall time |",
              "|---|---|---|---|---|---|"]
+    if data.rows and data.rows[0].get("eval_seconds") is not None:  # older runs recorded no setup time
+        lines.append(f"| 0 | {data.rows[0].get('name', 'start')} | – | – | – | {_wall_time(data.rows[0])} |")
     for stage in data.plan["stages"]:
         index = stage["index"]
         shares = ", ".join(f"{n} {w:.2f}" for n, w in stage["weights"].items())
-        wall = "–"
-        if index < len(data.rows) and data.rows[index].get("wall_seconds") is not None:
-            wall = f"{data.rows[index]['wall_seconds'] / 60:.1f} min"
+        wall = _wall_time(data.rows[index]) if index < len(data.rows) else "–"
         trained = ", ".join(stage.get("new", stage.get("experiences", [])))
         lines.append(f"| {index} | {stage['name']} | {trained} | {shares} | {stage['steps']} | {wall} |")
-    return lines + [""]
+    note = ("Wall time: the stage's training and evaluation, the evaluation's share in parentheses; row 0's: "
+            "the setup (model, warm-start, loading) and its evaluation, in the process that recorded the row.")
+    return lines + ["", note, ""]
+
+
+def _wall_time(row: dict) -> str:
+    """``"16.6 min (evaluation 4.9)"``, or ``"–"`` for a row without a time."""
+    if row.get("wall_seconds") is None:
+        return "–"
+    wall = f"{row['wall_seconds'] / 60:.1f} min"
+    evaluation = row.get("eval_seconds")
+    return wall if evaluation is None else f"{wall} (evaluation {evaluation / 60:.1f})"
 
 
 def _matrix_table(analysis: Analysis, measure: str) -> list[str]:

@@ -117,6 +117,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         RunExistsError: ``out`` holds a run that ``resume``/``force`` do not allow
             to continue or overwrite, or a directory that is not a run.
     """
+    started = time.perf_counter()  # row 0's wall time counts the setup: model, warm-start, loading
     experiment.check()  # environments, strategy, device: fail before anything is written
     run_dir = RunDir(out if out is not None else experiment.out)
     processes = process_state()  # under `accelerate launch` every process trains; the main one writes
@@ -162,8 +163,10 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         tracker = _drift_tracker(run_dir, trainer) if experiment.eval.drift and processes.is_main_process else None
         if done < 0 and processes.is_main_process:
             row0 = "warm-start" if experiment.model.warmstart is not None else "untouched"
+            evaluating = time.perf_counter()
             results = _evaluate_start(evaluator, trainer, run_dir, experiment, stream, start_model, tracker)
-            _record(run_dir, 0, row0, [], results, {}, 0.0)
+            now = time.perf_counter()
+            _record(run_dir, 0, row0, [], results, {}, now - started, eval_seconds=now - evaluating)
     processes.wait_for_everyone()
     if processes.is_main_process:
         tracking.log_rows()  # row 0, or a resumed run's rows
@@ -362,10 +365,12 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
     _save_checkpoint(trainer, strategy, run_dir, stage.index, sampler, processes)
     with trainer.full_weights():  # the main process evaluates alone: no collectives in its forwards
         if processes.is_main_process:
+            evaluating = time.perf_counter()
             results = _evaluate(evaluator, trainer, run_dir, stage.index, experiment)
+            evaluated = time.perf_counter()
             moved = tracker.measure() if tracker is not None else None
             _record(run_dir, stage.index, stage.name, list(stage.new), results, _train_summary(history),
-                    time.perf_counter() - started, drift_entry=moved)
+                    time.perf_counter() - started, drift_entry=moved, eval_seconds=evaluated - evaluating)
             # Only now is the previous stage's optimizer state unneeded: a kill before this row resumes from it.
             _drop_stale_checkpoints(run_dir, stage.index)
     processes.wait_for_everyone()
@@ -465,9 +470,13 @@ def _drift_tracker(run_dir: RunDir, trainer: GRPOTrainer) -> drift.DriftTracker:
 
 
 def _record(run_dir: RunDir, stage: int, name: str, trained: Sequence[str], results: dict[str, EvalResult],
-            train: dict[str, Any], seconds: float, drift_entry: dict[str, Any] | None = None) -> None:
+            train: dict[str, Any], seconds: float, drift_entry: dict[str, Any] | None = None,
+            eval_seconds: float | None = None) -> None:
+    """Append row ``stage``: ``seconds`` it took in all (row 0: the setup too), ``eval_seconds`` its evaluation."""
     row = {"stage": stage, "name": name, "trained": list(trained),
            "results": {k: r.to_dict() for k, r in results.items()}, "train": train, "wall_seconds": seconds}
+    if eval_seconds is not None:
+        row["eval_seconds"] = eval_seconds
     if drift_entry is not None:
         row["drift"] = drift_entry
     run_dir.append_row(row)

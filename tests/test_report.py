@@ -244,3 +244,21 @@ def test_old_runs_group_by_directory(tmp_path):
     b = make_run(tmp_path / "order1" / "seed3", with_plan_meta=False)
     assert load_run(a).label == "order1" and load_run(b).seed == 3
     assert "| order1 (n=2) | 0, 3 |" in compare([a, b])
+
+
+def test_stages_table_shows_the_setup_and_each_evaluations_share_of_the_wall_time(tmp_path):
+    path = make_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (path / "results.jsonl").read_text().splitlines()]
+    for row, (wall, evaluation) in zip(rows, [(480.0, 300.0), (996.0, 294.0), (480.0, 282.0)]):
+        row.update(wall_seconds=wall, eval_seconds=evaluation)
+    (path / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    md = write_report(path)[0].read_text()
+    assert "| 0 | warm-start | – | – | – | 8.0 min (evaluation 5.0) |" in md
+    assert "| 1 | a:easy | a:easy | a:easy 1.00 | 3 | 16.6 min (evaluation 4.9) |" in md
+    assert "| 2 | b:easy | b:easy | b:easy 1.00 | 3 | 8.0 min (evaluation 4.7) |" in md
+
+
+def test_rows_recorded_without_evaluation_times_keep_the_old_stages_table(tmp_path):
+    md = write_report(make_run(tmp_path / "run"))[0].read_text()  # rows with wall_seconds only
+    assert "| 1 | a:easy | a:easy | a:easy 1.00 | 3 | 1.5 min |" in md
+    assert "| 0 | warm-start |" not in md

@@ -85,6 +85,8 @@ def test_sequential_run_writes_config_plan_rows_checkpoints_and_report(base_mode
     assert [r["trained"] for r in rows] == [[], ["magic:easy"], ["magic-berry:easy"]]
     assert all(set(r["results"]) == {*TRAIN, HELD_OUT} for r in rows)
     assert rows[1]["train"]["steps"] == 2 and rows[0]["train"] == {}
+    # every row's time, its evaluation's a part of it; row 0's counts the setup before its evaluation
+    assert all(0 < r["eval_seconds"] < r["wall_seconds"] for r in rows)
     plan = json.loads((path / "plan.json").read_text())
     assert plan["test"] == [*TRAIN, HELD_OUT] and plan["trained_at"] == [1, 2, None]
     assert plan["seed"] == 0 and plan["label"] and plan["base_success"] is None
