@@ -169,7 +169,7 @@ def two_stage_experiment(tmp_path: Path, out: str) -> str:
 
 def run_rows(run_dir: Path) -> list[dict]:
     """A run's rows without their wall times."""
-    rows = [{k: v for k, v in json.loads(line).items() if k != "wall_seconds"}
+    rows = [{k: v for k, v in json.loads(line).items() if "seconds" not in k}  # wall and evaluation times
             for line in (run_dir / "results.jsonl").read_text().splitlines()]
     for row in rows:
         row["train"].pop("seconds", None)
