@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,6 +279,18 @@ def load_model(name: str, dtype: str | torch.dtype = "float32", device: str | No
     return model, load_tokenizer(name)
 
 
+def wrapped_models(model) -> Iterator[torch.nn.Module]:
+    """``model``, then each model it wraps: a data-parallel wrapper's ``.module``, a PEFT model's base."""
+    while True:
+        yield model
+        if hasattr(model, "get_base_model"):
+            model = model.get_base_model()
+        elif isinstance(getattr(model, "module", None), torch.nn.Module):
+            model = model.module
+        else:
+            return
+
+
 def forward_accepts(model, keyword: str) -> bool:
     """Whether ``model``'s forward takes ``keyword`` (e.g. ``logits_to_keep``), looking through wrappers.
 
@@ -287,12 +300,18 @@ def forward_accepts(model, keyword: str) -> bool:
     """
     import inspect
 
-    while True:
-        if keyword in inspect.signature(model.forward).parameters:
-            return True
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "module", None), torch.nn.Module):
-            model = model.module
-        else:
-            return False
+    return any(keyword in inspect.signature(inner.forward).parameters for inner in wrapped_models(model))
+
+
+def output_head(model) -> torch.nn.Module | None:
+    """The module mapping ``model``'s last hidden states to logits (``get_output_embeddings()``), or None.
+
+    Looked up through the same wrappers as `forward_accepts`; a wrapper
+    without the method (DDP) defers to the model it wraps.
+    """
+    for inner in wrapped_models(model):
+        get_head = getattr(inner, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        if isinstance(head, torch.nn.Module):
+            return head
+    return None

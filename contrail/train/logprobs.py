@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
-from contrail.models import forward_accepts
+from contrail.models import forward_accepts, output_head
 from contrail.train import checkpointed_prefix
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "logprobs_and_entropy", "selective_logprobs", "sequence_logprobs", "token_entropy"]
@@ -170,7 +170,7 @@ def sequence_logprobs(
     valid = attention_mask[:, start:].bool() & attention_mask[:, start - 1 : -1].bool()
     if positions is not None:
         valid = valid & positions[:, start:].bool()
-    head = _output_head(model) if positions is not None else None
+    head = output_head(model) if positions is not None else None
     if head is None:
         keep = length - start + 1  # logits at positions start-1 .. L-1; the last predicts nothing
         logits = _forward_logits(model, input_ids, attention_mask, shared_prefix, keep)[:, -keep:-1]
@@ -213,14 +213,6 @@ def _token_stats(logits: torch.Tensor, targets: torch.Tensor, entropy: bool,
     if entropy:
         return logprobs_and_entropy(logits, targets, chunk_size)
     return (selective_logprobs(logits, targets, chunk_size),)
-
-
-def _output_head(model) -> torch.nn.Module | None:
-    """The module mapping hidden states to logits (through DDP-style ``.module`` wrappers), or None."""
-    inner = getattr(model, "module", model)
-    get_head = getattr(inner, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    return head if isinstance(head, torch.nn.Module) else None
 
 
 @contextlib.contextmanager
