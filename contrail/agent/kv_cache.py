@@ -7,7 +7,10 @@ SmolLM2-135M (256 of 540 ms, measured with the torch profiler), more than
 the model's matrix products. `GrowingLayer` keeps its keys and values in a
 buffer with headroom and returns views of the filled part, so a step writes
 one position; the buffer is reallocated (and copied once) only when it is
-full, growing by a quarter, so copies are amortised over many steps.
+full, growing by an eighth (at least `MIN_HEADROOM`), so copies are
+amortised over many steps. The room is kept small because decode attention
+reads the whole buffer, spare positions masked (`whole_buffers`): with a
+quarter, a 700-token cache read 175 empty positions at every step.
 
 Under autocast (the HF backend's bf16 sampling from fp32 weights) keys and
 values are stored in the autocast dtype. Keys come out of the rotary
@@ -54,19 +57,45 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = keys[..., :needed, :], values[..., :needed, :]
         return self.keys, self.values
 
+    def __copy__(self) -> "GrowingLayer":
+        """A copy that shares no buffer: a session cut from this one (`HFBackend`'s ``take``) must neither
+        write into this layer's buffer nor keep the whole of it alive for the few rows it took."""
+        twin = type(self).__new__(type(self))
+        twin.__dict__.update(self.__dict__)
+        twin._buffers = None
+        return twin
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep rows ``indices``: one copy, into a buffer of their own with this one's headroom.
+
+        Selecting from the filled view and reallocating at the next update
+        were two copies of the kept rows (and kept the old buffer alive until then).
+        """
+        if self.get_seq_length() == 0 or self._buffers is None or not self._owns_views():
+            super().batch_select_indices(indices)
+            return
+        length = self.keys.shape[-2]
+        _, keys, values = self._buffers
+        keys, values = keys.index_select(0, indices), values.index_select(0, indices)
+        self._buffers = (id(self), keys, values)
+        self.keys, self.values = keys[..., :length, :], values[..., :length, :]
+
+    def _owns_views(self) -> bool:
+        """Whether ``keys`` and ``values`` are still the filled start of this layer's own buffers."""
+        owner, keys, values = self._buffers
+        return (owner == id(self) and self.keys is not None and self.keys.numel() > 0
+                and self.keys.data_ptr() == keys.data_ptr() and self.values.data_ptr() == values.data_ptr()
+                and self.keys.stride() == keys.stride() and self.keys.shape[:-2] == keys.shape[:-2])
+
     def _fits(self, key_states: torch.Tensor, needed: int) -> bool:
         """Whether ``keys`` is still a view of this layer's own buffer, with room for ``needed`` positions."""
-        if self._buffers is None:
-            return False
-        owner, keys, _ = self._buffers
-        # A copied layer (``copy.copy``) shares the tuple but not the identity: it must not write there.
-        return (owner == id(self) and needed <= keys.shape[-2] and self.keys is not None and self.keys.numel() > 0
-                and self.keys.data_ptr() == keys.data_ptr() and self.keys.shape[:-2] == keys.shape[:-2]
-                and self.keys.stride() == keys.stride() and keys.dtype == key_states.dtype)
+        # A copied layer (``copy.copy``) has no buffer: it must not write into its original's.
+        return (self._buffers is not None and self._owns_views() and needed <= self._buffers[1].shape[-2]
+                and self._buffers[1].dtype == key_states.dtype)
 
     def _reserve(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
         """A new buffer of ``needed`` positions plus headroom, holding the cache so far."""
-        capacity = needed + max(MIN_HEADROOM, needed // 4)
+        capacity = needed + max(MIN_HEADROOM, needed // 8)
         length = self.get_seq_length()
         buffers = []
         for cached, new in ((self.keys, key_states), (self.values, value_states)):

@@ -46,7 +46,7 @@ def test_replaced_tensors_are_adopted_and_a_copy_never_writes_into_the_original(
     torch.testing.assert_close(out_keys[:, :, -1], keys[:, :, 0])
 
     original = layer.keys.clone()
-    twin = copy.copy(layer)  # shares the buffer tuple, as `_Session.take`'s shallow copies do
+    twin = copy.copy(layer)  # a shallow copy, as `_Session.take` makes
     twin.update(*_states(1, batch=3, seed=4))
     layer_keys, _ = layer.update(*_states(1, batch=3, seed=5))
     torch.testing.assert_close(layer_keys[:, :, :7], original, rtol=0, atol=0)
@@ -107,3 +107,32 @@ def test_the_unfilled_end_of_a_buffer_is_zero_since_attention_reads_it_masked():
         assert not whole_mask[..., filled:].any()
         for whole in (whole_keys, whole_values):
             assert torch.equal(whole[..., filled:, :], torch.zeros_like(whole[..., filled:, :]))
+
+
+def test_selecting_rows_copies_them_once_into_a_buffer_that_later_steps_write_in_place():
+    layer, reference = GrowingLayer(), DynamicLayer()
+    for states in (_states(10, batch=4), _states(1, batch=4, seed=1)):
+        layer.update(*states)
+        reference.update(*states)
+    rows = torch.tensor([3, 1])
+    layer.batch_select_indices(rows)
+    reference.batch_select_indices(rows)
+    selected = layer.keys.data_ptr()
+    for step in range(3):
+        states = _states(1, seed=step + 2)
+        got, expected = layer.update(*states), reference.update(*states)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert layer.keys.data_ptr() == selected  # no reallocation after the select: it kept room
+    assert layer.keys.shape[:2] == (2, 2)
+
+
+def test_a_copied_layer_holds_no_buffer_of_its_original():
+    layer = GrowingLayer()
+    layer.update(*_states(10))
+    twin = copy.copy(layer)
+    assert twin._buffers is None and layer._buffers is not None  # a taken session frees its original's buffer
+    twin.keys, twin.values = twin.keys[:1], twin.values[:1]
+    before = layer.keys.clone()
+    twin.update(*_states(1, batch=1, seed=3))
+    torch.testing.assert_close(layer.keys, before, rtol=0, atol=0)
