@@ -421,3 +421,47 @@ def test_bf16_sampling_casts_frozen_weights_once_per_call_and_leaves_them_frozen
         assert casts.count <= len(weights), casts.count  # each weight once, not once per forward
         assert all(p.requires_grad == trainable for p in model.parameters())
     assert [g.ids for g in results[True]] == [g.ids for g in results[False]]
+
+
+def _forward_shapes(model):
+    """A list that receives the ``input_ids`` shape of every forward of ``model``, and the hook's handle."""
+    shapes = []
+    handle = model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(kwargs["input_ids"].shape),
+                                             with_kwargs=True)
+    return shapes, handle
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_stopped_rows_leave_the_decode_batch_without_changing_any_sample(tokenizer, chat, random_policy, seeded):
+    model, _ = random_policy
+    stop = frozenset(range(5, len(tokenizer), 6))  # a sixth of the vocabulary stops a row: rows stop at many steps
+    prompts = [chat.prompt_ids([{"role": "user", "content": f"say the word {word} ."}])
+               for word in ("apple", "berry", "cherry", "grape", "lemon", "mango", "red", "blue", "green", "door",
+                            "key", "ball")]  # distinct prompts: each next turn extends its own row's cache
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    seeds = list(range(100, 100 + len(prompts))) if seeded else None
+    runs = {}
+    for park in (True, False):
+        backend = HFBackend(model, stop, tokenizer.pad_token_id, seed=7, park_stopped=park)
+        shapes, handle = _forward_shapes(model)
+        try:
+            first = backend.generate(prompts, params, seeds)
+            decoded = [shape[0] for shape in shapes if shape[1] == 1]
+            # Every other episode goes on: its next prompt extends what the kept (joined) cache holds.
+            follow = [p + g.ids + chat.user_turn_ids("try again") for p, g in zip(prompts, first)][::2]
+            shapes.clear()
+            second = backend.generate(follow, params, seeds[::2] if seeded else None)
+        finally:
+            handle.remove()
+        runs[park] = (first + second, decoded, shapes[0])
+    (parked, parked_sizes, extended), (plain, plain_sizes, _) = runs[True], runs[False]
+    # The second turn went on from the joined cache: each row prefilled its new ids (and its stop id, when it
+    # left the batch before that was fed), not its history.
+    assert extended[0] == len(follow) and extended[1] <= len(chat.user_turn_ids("try again")) + 1
+    assert len({len(g.ids) for g in parked[:len(prompts)]}) > 3  # rows really stopped at different steps
+    assert [g.ids for g in parked] == [g.ids for g in plain]
+    for a, b in zip(parked, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert set(plain_sizes) == {len(prompts)}
+    assert min(parked_sizes) < len(prompts) and parked_sizes == sorted(parked_sizes, reverse=True)
+    assert sum(parked_sizes) < sum(plain_sizes)

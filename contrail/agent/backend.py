@@ -219,6 +219,11 @@ MIN_SHARED_PREFIX = 16
 # Prompts sharing this many leading ids (an environment's instructions, not just the chat template's
 # header) are prefilled as one cluster; every further cluster adds a forward and some padding.
 CLUSTER_PREFIX = 64
+# A turn's rows that have stopped leave the decode batch once they are this share of it and at least
+# MIN_PARKED rows, while MIN_STEPS_LEFT or more steps may follow (`_worth_parking`).
+PARK_SHARE = 0.25
+MIN_PARKED = 4
+MIN_STEPS_LEFT = 4
 # What one more prefill bucket costs, in padded tokens (see `_length_buckets`).
 BUCKET_OVERHEAD = 32
 
@@ -226,11 +231,12 @@ BUCKET_OVERHEAD = 32
 class HFBackend:
     """Batched sampling from a transformers causal LM with a KV cache kept across turns.
 
-    Prompts are left-padded into one batch; rows that hit a stop id keep
-    decoding pad tokens (masked out) until every row is done or the token limit
-    is reached. When the next call's prompts extend the previous call's
-    (the next turn of the same episodes), the cache is kept: only the new
-    tokens (template closing and observation) are prefilled, so a turn costs
+    Prompts are left-padded into one batch; rows that hit a stop id leave
+    the decode batch once enough of them have (``park_stopped``), the others
+    decoding on until every row is done or the token limit is reached.
+    When the next call's prompts extend the previous call's (the next turn
+    of the same episodes), the cache is kept: only the new tokens (template
+    closing and observation) are prefilled, so a turn costs
     what it adds, not the whole history. Finished episodes' rows are dropped.
     A fresh batch prefills each distinct prompt once, after the prefix they
     all share (``share_prefix``: a group's identical prompts, an
@@ -241,8 +247,9 @@ class HFBackend:
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], pad_id: int, seed: int = 0,
                  max_batch_size: int = 64, reuse_cache: bool = True, autocast_bf16: bool = False,
-                 share_prefix: bool = True, decode_attention: bool = True):
+                 share_prefix: bool = True, decode_attention: bool = True, park_stopped: bool = True):
         self.model = model
+        self.park_stopped = park_stopped  # stopped rows leave the decode batch (see `_decode`)
         self.share_prefix = share_prefix  # prefill shared prompt prefixes once (see `_prefill`)
         self.decode_attention = decode_attention  # CPU decode steps attend directly (`contrail.agent.attention`)
         self.stop_ids = frozenset(stop_ids)
@@ -350,7 +357,7 @@ class HFBackend:
         distinct, row_of = _distinct(prompts)
         clusters = _prefix_clusters(distinct) if self.share_prefix else [list(range(len(distinct)))]
         parts = [self._prefill_cluster([distinct[i] for i in cluster]) for cluster in clusters]
-        session, logits = _joined(parts) if len(parts) > 1 else parts[0]
+        session, logits = _joined_with_logits(parts) if len(parts) > 1 else parts[0]
         place = {d: position for position, d in enumerate(i for cluster in clusters for i in cluster)}
         rows = [place[d] for d in row_of]
         if rows == list(range(len(session.known))):
@@ -390,7 +397,7 @@ class HFBackend:
         device = self._device()
         parts = [self._extend_rows(session.take(torch.tensor([rows[i] for i in bucket], device=device)),
                                    list(range(len(bucket))), [prompts[i] for i in bucket]) for bucket in buckets]
-        joined, logits = _joined(parts)
+        joined, logits = _joined_with_logits(parts)
         place = {i: position for position, i in enumerate(i for bucket in buckets for i in bucket)}
         index = torch.tensor([place[i] for i in range(len(prompts))], device=device)
         return joined.select(index, [list(p) for p in prompts]), logits[index]
@@ -414,32 +421,73 @@ class HFBackend:
 
     def _decode(self, session: _Session, prompts, logits, params: SamplingParams,
                 seeds: list[int] | None = None) -> list[Generation]:
+        """Sample up to ``params.max_new_tokens`` ids for every row of ``session``, from ``logits`` on.
+
+        Rows that have stopped leave the batch once there are enough of them
+        (`_worth_parking`): their caches are set aside as they are and the
+        other rows decode on without them, so a turn's last steps run over the
+        few rows still writing, not over the whole batch. The parts are joined
+        into one kept session at the end (its rows in any order: the next
+        turn matches prompts to rows by their ids). A row's samples never
+        depend on which rows share its step.
+        """
         device = self._device()
-        sampled, logprobs = [], []
+        count, limit = len(prompts), params.max_new_tokens
         sampling = params.temperature > 0
-        uniforms = row_uniforms(seeds, params.max_new_tokens, device) if seeds is not None and sampling else None
-        done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-        fed = torch.zeros(len(prompts), dtype=torch.long, device=device)  # sampled ids now in the cache
+        uniforms = row_uniforms(seeds, limit, device) if seeds is not None and sampling else None
+        sampled = torch.full((count, limit), self.pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((count, limit), device=device)
+        fed = torch.zeros(count, dtype=torch.long, device=device)  # sampled ids now in each prompt's cache
+        rows = torch.arange(count, device=device)  # the prompt each row of the decode batch samples for
+        done = torch.zeros(count, dtype=torch.bool, device=device)
+        parked: list[tuple[torch.Tensor, _Session]] = []
         stop = torch.tensor(sorted(self.stop_ids), device=device)
         cache, attention, position = session.cache, session.attention, session.next_position
-        for step in range(params.max_new_tokens):
-            uniform = uniforms[:, step:step + 1] if uniforms is not None else None
+        steps = 0
+        for step in range(limit):
+            uniform = self._uniform(uniforms, rows, step, count) if sampling else None
             ids, lps = sample_next(logits, params, self.generator, uniform)
             ids = torch.where(done, torch.full_like(ids, self.pad_id), ids)
-            sampled.append(ids)
-            logprobs.append(lps)
+            sampled[rows, step], logprobs[rows, step] = ids, lps
+            steps = step + 1
             real = ~done  # this step's token is a real sample for rows not yet done
             done = done | torch.isin(ids, stop)
-            if bool(done.all()):
+            # After the last step nothing reads the logits: the next turn prefills these ids if it continues.
+            if bool(done.all()) or steps == limit:
                 break
+            if self.park_stopped and _worth_parking(done, limit - steps):
+                # A just-stopped row leaves before its stop id is fed: the next turn prefills it (`fed` says so).
+                stopped, going = done.nonzero().squeeze(1), (~done).nonzero().squeeze(1)
+                in_flight = _Session(cache, attention, position, [session.known[r] for r in rows.tolist()])
+                parked.append((rows[stopped], in_flight.take(stopped)))
+                cache.batch_select_indices(going)
+                attention, position, rows, ids, real = (t[going] for t in (attention, position, rows, ids, real))
+                logits, done = logits[going], done[going]
             attention = torch.cat([attention, real.long()[:, None]], dim=1)
             cache, logits = self._forward(ids[:, None], attention, position[:, None], cache)
             position = position + real.long()
-            fed = fed + real.long()
-        generations = self._unpack(torch.stack(sampled, 1).tolist(), torch.stack(logprobs, 1).tolist())
-        known = [p + g.ids[:n] for p, g, n in zip(session.known, generations, fed.tolist())]
-        self._session = _Session(cache, attention, position, known) if self.reuse_cache else None
+            fed[rows] += real.long()
+        generations = self._unpack(sampled[:, :steps].tolist(), logprobs[:, :steps].tolist())
+        if self.reuse_cache:
+            parts = parked + [(rows, _Session(cache, attention, position, [session.known[r] for r in rows.tolist()]))]
+            order = torch.cat([part_rows for part_rows, _ in parts]).tolist()
+            self._session = _joined([part for _, part in parts]) if parked else parts[0][1]
+            self._session.known = [session.known[r] + generations[r].ids[:n]
+                                   for r, n in zip(order, fed[order].tolist())]
+        else:
+            self._session = None
         return generations
+
+    def _uniform(self, uniforms: torch.Tensor | None, rows: torch.Tensor, step: int, count: int) -> torch.Tensor:
+        """One uniform number per row of the decode batch: its prompt's seeded stream, or the backend's own.
+
+        The backend's generator draws one number for every prompt of the call
+        at every step, parked rows included, so the numbers a row gets never
+        depend on which rows are still decoding.
+        """
+        if uniforms is not None:
+            return uniforms[rows, step:step + 1]
+        return torch.rand((count, 1), generator=self.generator, device=rows.device)[rows]
 
     def _unpack(self, rows: list[list[int]], logprob_rows: list[list[float]]) -> list[Generation]:
         generations = []
@@ -497,9 +545,8 @@ def _length_buckets(lengths: list[int], max_buckets: int = 3, min_saving: float 
     return [order[begin:end] for begin, end in zip(bounds, bounds[1:])]
 
 
-def _joined(parts: list[tuple[_Session, torch.Tensor]]) -> tuple[_Session, torch.Tensor]:
-    """One session of several clusters' rows: caches and masks left-padded to one width, then stacked."""
-    sessions = [session for session, _ in parts]
+def _joined(sessions: list[_Session]) -> _Session:
+    """One session of several sessions' rows: caches and masks left-padded to one width, then stacked."""
     width = max(session.attention.shape[1] for session in sessions)
     cache = sessions[0].cache
     for number, layer in enumerate(cache.layers):
@@ -509,7 +556,22 @@ def _joined(parts: list[tuple[_Session, torch.Tensor]]) -> tuple[_Session, torch
     attention = torch.cat([_left_pad(session.attention, width, dim=-1) for session in sessions])
     positions = torch.cat([session.next_position for session in sessions])
     known = [ids for session in sessions for ids in session.known]
-    return _Session(cache, attention, positions, known), torch.cat([logits for _, logits in parts])
+    return _Session(cache, attention, positions, known)
+
+
+def _joined_with_logits(parts: list[tuple[_Session, torch.Tensor]]) -> tuple[_Session, torch.Tensor]:
+    """`_joined` sessions, with their next-token logits stacked in the same row order."""
+    return _joined([session for session, _ in parts]), torch.cat([logits for _, logits in parts])
+
+
+def _worth_parking(done: torch.Tensor, steps_left: int) -> bool:
+    """Whether the decode batch's stopped rows (``done``) should leave it before the next step.
+
+    Moving them out copies the batch's caches once; it pays when enough
+    rows stop decoding pad tokens for enough further steps.
+    """
+    stopped = int(done.sum())
+    return steps_left >= MIN_STEPS_LEFT and stopped >= max(MIN_PARKED, PARK_SHARE * done.numel())
 
 
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
