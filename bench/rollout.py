@@ -16,6 +16,8 @@
     python bench/rollout.py --env babyai:easy --episodes 16 --max-new-tokens 64 --json out.json
     /work/venv-vllm/bin/python bench/rollout.py --vllm --json vllm.json   # (c), SmolLM2, ~10 minutes here
     python bench/rollout.py --decode                      # (d) the HF backend's CPU decoding, side by side
+    python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
+        --eval-episodes 64 --repeats 2                    # (e) parking stopped rows, on and off, alternating
 """
 
 from __future__ import annotations
@@ -52,13 +54,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-b", action="store_true")
     parser.add_argument("--vllm", action="store_true", help="run (c) only: vLLM against HF")
     parser.add_argument("--train-episodes", type=int, default=32, help="(c) training-sized batch (groups of 8)")
-    parser.add_argument("--eval-episodes", type=int, default=64, help="(c) evaluation-sized batch")
+    parser.add_argument("--eval-episodes", type=int, default=64, help="(c) evaluation-sized batch; (e) episodes played")
     parser.add_argument("--eval-temperature", type=float, default=0.7, help="(c) evaluation sampling temperature")
     parser.add_argument("--vllm-eager", action="store_true", help="(c) enforce_eager: no compilation")
     parser.add_argument("--vllm-backends", default="hf,vllm", help="(c) backends to time (a partial rerun)")
     parser.add_argument("--vllm-batches", default="train,eval", help="(c) batches to play (a partial rerun)")
     parser.add_argument("--decode", action="store_true",
                         help="run (d) only: the HF backend's CPU decoding against its plain path")
+    parser.add_argument("--evaluation", default=None, metavar="EXPERIMENT",
+                        help="run (e) only: EXPERIMENT's evaluation batch with stopped rows parked and not")
     parser.add_argument("--json", default=None, help="write the results here")
     return parser.parse_args(argv)
 
@@ -319,6 +323,54 @@ def sampling_cost(out) -> dict:
     return {"multinomial_s": multinomial, "inverse_cdf_s": inverse}
 
 
+# --- (e) stopped rows leaving the decode batch -------------------------------------------------
+
+
+def parking(policy, args, out) -> dict:
+    """An experiment's evaluation played with ``park_stopped`` on and off, in alternating rounds, one batch.
+
+    The experiment's own test tasks (about ``--eval-episodes`` in all, each
+    test experience's first, in the experiment's proportions), evaluation
+    rollout, k and per-episode seeds, in its precision: both settings play
+    the same episodes (checked); only where stopped rows sit during decode differs.
+    """
+    from contrail.evaluation import evaluate
+    from contrail.experiment import build_stream, load_experiment
+    from contrail.precision import resolve_precision
+    from contrail.seeds import derive_seed
+    from contrail.stream import env_factory
+
+    experiment = load_experiment(args.evaluation)
+    stream = build_stream(experiment)
+    total = sum(len(e.test_tasks) for e in stream.test)
+    tasks = {e.name: e.test_tasks[:max(1, round(args.eval_episodes * len(e.test_tasks) / total))] for e in stream.test}
+    episodes = sum(len(t) for t in tasks.values()) * experiment.eval.k
+    bf16 = resolve_precision(experiment.grpo.precision, next(policy.model.parameters()).device) == "bf16"
+    seconds: dict[str, list[float]] = {"parked": [], "kept": []}
+    played: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for label, park in (("parked", True), ("kept", False)):
+            backend = HFBackend(policy.model, policy.chat.stop_ids, policy.tokenizer.pad_token_id,
+                                autocast_bf16=bf16, max_batch_size=episodes, park_stopped=park)
+            trajectories: dict[str, list] = {}
+            start = time.perf_counter()
+            evaluate(backend, policy.chat, tasks, env_factory(stream.experiences), k=experiment.eval.k,
+                     config=experiment.eval_rollout, batch_episodes=episodes, show_progress=False,
+                     episodes=trajectories, seed=derive_seed(experiment.seed, "eval"))
+            seconds[label].append(time.perf_counter() - start)
+            played[label] = [t.ids for name in tasks for t in trajectories[name]]
+    tokens = sum(len(ids) for ids in played["parked"])
+    same = played["parked"] == played["kept"]
+    ratio = median(seconds["parked"]) / median(seconds["kept"])
+    rows = [[episodes, tokens, " / ".join(fmt(s, 1) for s in seconds["kept"]),
+             " / ".join(fmt(s, 1) for s in seconds["parked"]), fmt(ratio, 2) + "x", "yes" if same else "no (rounding)"]]
+    out.print(table(f"(e) {args.evaluation}: its evaluation as one batch, {'bf16' if bf16 else 'fp32'}, "
+                    f"{args.repeats} alternating rounds",
+                    ["episodes", "episode tokens", "stopped rows kept (s)", "parked (s)", "median ratio",
+                     "same episodes"], rows))
+    return {"episodes": episodes, "tokens": tokens, "seconds": seconds, "ratio": ratio, "same_episodes": same}
+
+
 def rate(policy, tasks, make_env, config: RolloutConfig, seed: int) -> dict:
     """Episodes/s and generated tokens/s of one batched rollout of ``tasks``."""
     seconds, trajectories = play(policy, tasks, make_env, config, seed=seed, batched=True)
@@ -338,6 +390,10 @@ def main(argv=None) -> None:
     report = {"machine": info, "args": vars(args)}
     if args.vllm:
         report["vllm_vs_hf"] = vllm_vs_hf(policy, args, out)
+        write_json(args.json, report)
+        return
+    if args.evaluation:
+        report["parking"] = parking(policy, args, out)
         write_json(args.json, report)
         return
     if args.decode:
