@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,14 @@ def test_an_editable_install_reads_the_checkout_s_presets(source, tmp_path):
     root, module = done.stdout.split()
     assert Path(root) == source and Path(module) == source / "contrail" / "presets.py"
     assert not (source / "contrail" / "_presets").exists()  # nothing copied into the checkout
+
+
+def test_importing_contrail_asks_torch_for_huge_pages_unless_the_user_said_otherwise():
+    def value(environment):
+        code = "import os, contrail; print(os.environ['THP_MEM_ALLOC_ENABLE'])"
+        return subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    base = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    assert value(base) == "1"
+    assert value({**base, "THP_MEM_ALLOC_ENABLE": "0"}) == "0"
