@@ -10,6 +10,11 @@
     history (``reuse_cache=False``: the cost grows with the history) and
     with the backend's kept KV cache (the default: only the new turn's
     tokens are prefilled). Also the prefill alone (a 1-token turn).
+(e) An experiment's evaluation episodes (its test experiences in its
+    proportions, its rollout limits and sampling, one batch) played with
+    the HF backend's ``park_stopped`` on and off, in alternating rounds on
+    one loaded model: the same seeded episodes either way, so the ratio is
+    what parking stopped rows saves.
 
     python bench/rollout.py --quick                       # embedded SmolLM2-135M, a few minutes on 2 cores
     python bench/rollout.py --model tiny                  # random 2-layer model: overheads only
