@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -76,8 +77,13 @@ def test_an_installed_wheel_finds_its_presets(wheel, tmp_path):
 def test_an_editable_install_reads_the_checkout_s_presets(source, tmp_path):
     """``pip install -e``: the package is the checkout, and the presets are its top-level folders."""
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
+    # The new environment sees this one's packages (the build needs its setuptools): --system-site-packages
+    # would show it the base interpreter's instead when this environment is itself a venv.
+    inner = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    Path(inner, "outer_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
                     "--no-build-isolation", "-e", str(source)], check=True, capture_output=True, timeout=300)
     script = "from contrail import presets; print(presets.packaged_root()); print(presets.__file__)"
