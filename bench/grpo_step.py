@@ -382,6 +382,7 @@ TRL_LOSS = {"token-mean": "dapo", "seq-mean-token-mean": "grpo"}
 def apply_experiment(args) -> None:
     """Take (b)'s workload from an experiment file, so the comparison is that experiment's GRPO step."""
     from contrail.experiment import load_experiment
+    from contrail.precision import resolve_precision
 
     experiment = load_experiment(args.experiment)
     grpo, rollout = experiment.grpo, experiment.rollout
@@ -393,7 +394,8 @@ def apply_experiment(args) -> None:
     args.tasks, args.group = grpo.tasks_per_step, grpo.group_size
     args.max_new_tokens, args.max_turns = rollout.max_new_tokens, rollout.max_turns or args.max_turns
     args.max_episode_tokens = rollout.max_episode_tokens
-    args.compare_precision = grpo.precision
+    # Resolved here: both frameworks must run what contrail's ``auto`` picks on this machine (TRL takes bf16 or not).
+    args.compare_precision = resolve_precision(grpo.precision, experiment.model.device)
     args.lora_r = grpo.lora_r if grpo.lora else 0
     args.aggregation = grpo.aggregation
     args.micro_batch_tokens = args.micro_batch_tokens or grpo.micro_batch_tokens
