@@ -465,3 +465,26 @@ def test_stopped_rows_leave_the_decode_batch_without_changing_any_sample(tokeniz
     assert set(plain_sizes) == {len(prompts)}
     assert min(parked_sizes) < len(prompts) and parked_sizes == sorted(parked_sizes, reverse=True)
     assert sum(parked_sizes) < sum(plain_sizes)
+
+
+def test_a_turn_s_parked_pieces_are_joined_only_when_a_next_turn_extends_them(tokenizer, chat, random_policy,
+                                                                              monkeypatch):
+    import contrail.agent.backend as backend_module
+
+    model, _ = random_policy
+    joins = []
+    real_join = backend_module._joined
+    monkeypatch.setattr(backend_module, "_joined", lambda sessions: joins.append(len(sessions)) or real_join(sessions))
+    stop = frozenset(range(5, len(tokenizer), 6))  # rows stop at many steps, so some are parked
+    # One long shared prefix and one-word ends: the prefill is one cluster and one bucket, so it joins nothing.
+    prompts = [chat.prompt_ids([{"role": "user", "content": "say the word " * 30 + f"{word} ."}])
+               for word in ("apple", "berry", "cherry", "grape", "lemon", "mango", "red", "blue")]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    backend = HFBackend(model, stop, tokenizer.pad_token_id, seed=7)
+    first = backend.generate(prompts, params)
+    assert len({len(g.ids) for g in first}) > 3  # rows stopped at different steps: some were parked
+    assert joins == []  # the last turn of an episode would drop the cache: nothing is copied yet
+    backend.reset_cache()
+    first = backend.generate(prompts, params)
+    backend.generate([p + g.ids + chat.user_turn_ids("again") for p, g in zip(prompts, first)], params)
+    assert joins and joins[0] > 1  # the next turn joined the parked pieces of the first

@@ -201,6 +201,20 @@ class _Session:
         index = torch.full((times,), row, dtype=torch.long, device=self.attention.device)
         return self.select(index, [list(self.known[row]) for _ in range(times)])
 
+
+@dataclass
+class _Parts:
+    """A turn's kept cache still in the pieces its decode left (parked rows, the rows decoding to the end).
+
+    Joined into one `_Session` only when a next turn extends it (`joined`):
+    after an episode's last turn the rollout drops the cache, and joining it
+    then copied the whole cache for nothing, at the turn's memory peak.
+    ``known[r]`` are row ``r``'s ids, rows in the pieces' order.
+    """
+
+    pieces: list[_Session]
+    known: list[list[int]]
+
     def match(self, prompts: list[list[int]]) -> list[int] | None:
         """For each prompt, the row whose cached ids it strictly extends; None if any has none."""
         rows, taken = [], set()
@@ -212,6 +226,12 @@ class _Session:
             rows.append(row)
             taken.add(row)
         return rows
+
+    def joined(self) -> _Session:
+        """One session of every piece's rows, in ``known``'s order (a single piece is returned as it is)."""
+        session = _joined(self.pieces) if len(self.pieces) > 1 else self.pieces[0]
+        session.known = self.known
+        return session
 
 
 # Below this many shared ids, a separate batch-1 forward for the shared prefix costs more than it saves.
@@ -262,7 +282,7 @@ class HFBackend:
         self.autocast_bf16 = autocast_bf16
         self.generator = torch.Generator(device=self._device())
         self.generator.manual_seed(seed)
-        self._session: _Session | None = None
+        self._session: _Parts | None = None  # the last turn's cache, for a next turn to extend
         # transformers 5 renamed ``past_key_values`` to ``cache``; accept both.
         self._cache_arg = "cache" if forward_accepts(model, "cache") else "past_key_values"
         self._keep_arg = "logits_to_keep" if forward_accepts(model, "logits_to_keep") else None
@@ -322,11 +342,14 @@ class HFBackend:
         try:
             decoding = decoding_attention(self.model) if self.decode_attention else contextlib.nullcontext()
             with autocast, cast_once(self.model, enabled=self.autocast_bf16), decoding:
-                rows = self._session.match(prompts) if (self.reuse_cache and self._session) else None
+                kept, self._session = self._session, None
+                rows = kept.match(prompts) if (self.reuse_cache and kept) else None
                 if rows is None:
+                    kept = None  # not extended: its memory is free before the prefill
                     session, logits = self._prefill(prompts)
                 else:
-                    session, logits = self._extend(self._session, rows, prompts)
+                    whole, kept = kept.joined(), None  # the pieces are freed once joined
+                    session, logits = self._extend(whole, rows, prompts)
                 generations = self._decode(session, prompts, logits, params, seeds)
         finally:
             if was_training:
@@ -471,9 +494,8 @@ class HFBackend:
         if self.reuse_cache:
             parts = parked + [(rows, _Session(cache, attention, position, [session.known[r] for r in rows.tolist()]))]
             order = torch.cat([part_rows for part_rows, _ in parts]).tolist()
-            self._session = _joined([part for _, part in parts]) if parked else parts[0][1]
-            self._session.known = [session.known[r] + generations[r].ids[:n]
-                                   for r, n in zip(order, fed[order].tolist())]
+            self._session = _Parts([part for _, part in parts], [session.known[r] + generations[r].ids[:n]
+                                                                  for r, n in zip(order, fed[order].tolist())])
         else:
             self._session = None
         return generations
