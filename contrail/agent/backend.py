@@ -169,7 +169,7 @@ def cast_once(model, enabled: bool = True) -> Iterator[None]:
 
 @dataclass
 class _Session:
-    """The KV cache of the last batch, kept so the next turn only prefills what is new.
+    """The KV cache of a batch of rows; kept across turns (see `_Parts`) so a next turn only prefills what is new.
 
     ``known[r]`` are the ids row ``r`` of the cache holds (real tokens only);
     ``attention`` marks real positions (left padding and the slots of rows
@@ -449,10 +449,10 @@ class HFBackend:
         Rows that have stopped leave the batch once there are enough of them
         (`_worth_parking`): their caches are set aside as they are and the
         other rows decode on without them, so a turn's last steps run over the
-        few rows still writing, not over the whole batch. The parts are joined
-        into one kept session at the end (its rows in any order: the next
-        turn matches prompts to rows by their ids). A row's samples never
-        depend on which rows share its step.
+        few rows still writing, not over the whole batch. The parts are kept
+        as they are (`_Parts`), joined only if a next turn extends them (its
+        rows in any order: the next turn matches prompts to rows by their
+        ids). A row's samples never depend on which rows share its step.
         """
         device = self._device()
         count, limit = len(prompts), params.max_new_tokens
