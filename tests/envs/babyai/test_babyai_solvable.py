@@ -62,12 +62,12 @@ def test_every_other_shipped_table_is_what_the_expert_does(index):
 
 
 def test_listing_the_quickstarts_babyai_tasks_starts_no_engine(monkeypatch):
-    """The quickstart's settings (3 turns, training tasks filtered, 40 train seeds) come from the tables."""
+    """The quickstart's settings (3 turns, 20 test seeds, training tasks filtered, 40 train seeds) come from the tables."""
     monkeypatch.setattr(levels, "make_level", no_engine)
     monkeypatch.setattr(solvable, "expert_solves", no_engine)
-    env = make("babyai", max_turns=3, filter_train=True, train_seeds=40)
+    env = make("babyai", max_turns=3, test_seeds=20, filter_train=True, train_seeds=40)
     train, test = env.tasks("train", "easy"), env.tasks("test", "easy")
-    assert 0 < len(test) < 220 and 0 < len(train) < 880  # 22 easy levels x 10 test / 40 train seeds
+    assert len(test) == 294 and 0 < len(train) < 880  # of 22 easy levels x 20 test / 40 train seeds
 
 
 def test_other_settings_play_the_expert_once_and_cache_the_answers(tmp_path, monkeypatch):
