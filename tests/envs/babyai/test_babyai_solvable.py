@@ -36,11 +36,18 @@ SAMPLE = (0, 4, 7, 11, 21, 22, 23, 31, 39, 6, 15, 25, 27)
 
 
 def _sample(table, size=12):
-    """Up to ``size`` ids the table covers, half of them unsolved (both answers get checked)."""
+    """Up to ``size`` ids spread over what the table covers (its last ids too), half of them unsolved."""
     covered = [i for i in range(table.first, table.first + table.covers) if table.answers(i, table.max_turns)]
-    unsolved = [i for i in covered if i in table.unsolved][: size // 2]
-    solved = [i for i in covered if i not in table.unsolved][: size - len(unsolved)]
+    unsolved = _spread([i for i in covered if i in table.unsolved], size // 2)
+    solved = _spread([i for i in covered if i not in table.unsolved], size - len(unsolved))
     return unsolved + solved
+
+
+def _spread(ids, count):
+    """``count`` of ``ids``, evenly spaced from the first to the last."""
+    if len(ids) <= count:
+        return ids
+    return [ids[round(k * (len(ids) - 1) / (count - 1))] for k in range(count)]
 
 
 def test_the_table_is_what_the_expert_does():
