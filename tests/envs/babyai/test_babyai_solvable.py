@@ -69,7 +69,7 @@ def test_every_other_shipped_table_is_what_the_expert_does(index):
 
 
 def test_listing_the_quickstarts_babyai_tasks_starts_no_engine(monkeypatch):
-    """The quickstart's settings (3 turns, 20 test seeds, training tasks filtered, 40 train seeds) come from the tables."""
+    """The quickstart's settings (3 turns, 20 test seeds, training filtered, 40 train seeds) come from the tables."""
     monkeypatch.setattr(levels, "make_level", no_engine)
     monkeypatch.setattr(solvable, "expert_solves", no_engine)
     env = make("babyai", max_turns=3, test_seeds=20, filter_train=True, train_seeds=40)
