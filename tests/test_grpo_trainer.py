@@ -224,6 +224,32 @@ def test_a_step_of_more_than_64_episodes_keeps_its_kv_cache_across_turns():
     assert sum(width >= widths[0] for width in widths) == 1  # the shared instructions, prefilled once
 
 
+@pytest.mark.parametrize("aggregation", ["seq-mean-token-mean", "token-mean"])
+def test_a_mean_over_played_episodes_is_the_unskipped_loss(aggregation):
+    """``mean_over="played"`` counts the skipped zero-advantage groups in the mean, as TRL's loss does."""
+    tokenizer = tiny_tokenizer()
+    rewards = [1.0, 0.0, 0.0, 0.0] + [0.0] * 4  # the second group carries no signal
+    words = ["apple", "berry", "cherry", "grape", "lemon", "mango", "red", "blue"]  # distinct episodes
+    groups = [fake_traj(tokenizer, r, task_id=i // 4, word=w) for i, (r, w) in enumerate(zip(rewards, words))]
+
+    def update(skip, mean_over, term=False):
+        config = GRPOConfig(lr=1e-3, group_size=4, tasks_per_step=2, aggregation=aggregation,
+                            skip_zero_advantage=skip, mean_over=mean_over)
+        trainer = grpo(tiny_model(tokenizer, seed=12), tokenizer, config)
+        if term:
+            trainer.add_loss_term(lambda model, batch, logprobs: (torch.tensor(5.0), {}))
+        return trainer.update(groups)
+
+    played, unskipped, trained = update(True, "played"), update(False, "trained"), update(True, "trained")
+    assert played["trained_episodes"] == 4 and unskipped["trained_episodes"] == 8
+    # (At ratio 1 the policy loss itself is zero up to round-off: the gradients are what differ.)
+    assert played["grad_norm"] == pytest.approx(unskipped["grad_norm"], rel=1e-5)
+    # Over the trained episodes only, the same gradient is twice as large (4 of the 8 carried signal).
+    assert trained["grad_norm"] == pytest.approx(2 * played["grad_norm"], rel=1e-5)
+    # A loss term still counts once per optimizer step.
+    assert update(True, "played", term=True)["loss"] == pytest.approx(played["loss"] + 5.0, abs=1e-5)
+
+
 def test_a_loss_term_adds_to_the_loss_the_same_for_any_micro_batching():
     tokenizer = tiny_tokenizer()
     rewards = [1.0, 0.0, 0.0, 0.0] * 2

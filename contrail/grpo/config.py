@@ -24,6 +24,7 @@ from contrail.train.config import (
 )
 
 Aggregation = Literal["token-mean", "seq-mean-token-mean"]
+MeanOver = Literal["trained", "played"]
 
 
 @dataclass
@@ -42,6 +43,11 @@ class GRPOConfig(TrainConfig):
     aggregation: Aggregation = "token-mean"
     scale_advantages: bool = True  # False = Dr. GRPO (centring only)
     skip_zero_advantage: bool = True  # groups whose rewards are all equal carry no gradient signal
+    # Which episodes the loss's mean runs over. "trained": those with signal, so a step takes a
+    # full-sized step whatever share of its groups had different rewards. "played": every episode
+    # the step played (skipped groups count with their zero loss, as in TRL's and DeepSeekMath's
+    # GRPO loss), so a step with little signal takes a small step. Skipping is then exact.
+    mean_over: MeanOver = "trained"
     max_error_rate: float = 0.1    # share of a step's episodes whose environment may raise before the step fails
     # Truncated importance sampling for the sampler/trainer mismatch (TRL's
     # vllm_importance_sampling_correction): each sampled token's loss is weighted by
@@ -69,6 +75,7 @@ class GRPOConfig(TrainConfig):
         check_choice("aggregation", self.aggregation, get_args(Aggregation))
         check_bool("scale_advantages", self.scale_advantages)
         check_bool("skip_zero_advantage", self.skip_zero_advantage)
+        check_choice("mean_over", self.mean_over, get_args(MeanOver))
         check_number("max_error_rate", self.max_error_rate, low=0.0, high=1.0)
         check_bool("importance_sampling_correction", self.importance_sampling_correction)
         check_number("importance_sampling_cap", self.importance_sampling_cap, low=1.0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import random
@@ -248,7 +249,7 @@ class GRPOTrainer:
                  "trained_episodes": float(len(samples)), **_advantage_stats(advantages)}
         if self._has_signal(samples):
             prepare_update(self.policy.backend)  # vLLM sleep mode frees the engine's memory here
-            stats.update(self._optimize(samples or [_filler(trajectories)]))
+            stats.update(self._optimize(samples or [_filler(trajectories)], self._dilution(kept, samples)))
         else:
             stats["skipped_update"] = 1.0
         # The next rollout must sample from the weights just trained (a stale engine is the classic bug).
@@ -312,7 +313,26 @@ class GRPOTrainer:
         """
         return self.masked_trainer.sum_over_processes(float(len(samples))) > 0
 
-    def _optimize(self, samples: list[GRPOSample]) -> dict[str, float]:
+    def _dilution(self, played: list[Trajectory], samples: list[GRPOSample]) -> float:
+        """How many times the loss's units (episodes or tokens) the mean runs over exceed the trained ones.
+
+        1 under ``mean_over="trained"``. Under ``"played"`` the units of every
+        episode the update kept (skipped zero-advantage groups included, each
+        adding 0) over those of the trained samples, summed over processes.
+        """
+        if self.config.mean_over == "trained":
+            return 1.0
+        if self.config.aggregation == "token-mean":
+            played_units = sum(sum(t.mask) for t in played)
+            trained_units = sum(sum(s.mask) for s in samples)
+        else:
+            played_units = sum(1 for t in played if any(t.mask))
+            trained_units = len(samples)
+        played_total = self.masked_trainer.sum_over_processes(float(played_units))
+        trained_total = self.masked_trainer.sum_over_processes(float(trained_units))
+        return played_total / trained_total if trained_total else 1.0
+
+    def _optimize(self, samples: list[GRPOSample], dilution: float = 1.0) -> dict[str, float]:
         self._attach_old_and_ref_logprobs(samples)
         rng = random.Random(derive_seed(self.seed, "update", self.step_count))
         totals: dict[str, list[float]] = {}
@@ -321,7 +341,9 @@ class GRPOTrainer:
             rng.shuffle(order)
             for indices in np.array_split(np.array(order), min(self.config.minibatches, len(order))):
                 batch = [samples[i] for i in indices]
-                stats = self.masked_trainer.step(batch, self._loss, normalizer=self._normalizer(batch))
+                normalizer = self._normalizer(batch) * dilution
+                loss = functools.partial(self._loss, dilution=dilution)
+                stats = self.masked_trainer.step(batch, loss, normalizer=normalizer)
                 for key, value in stats.items():
                     totals.setdefault(key, []).append(value)
         out = {key: float(np.mean(values)) for key, values in totals.items()}
@@ -347,7 +369,8 @@ class GRPOTrainer:
         """One optimizer step per rollout batch: the old policy *is* the current one."""
         return self.config.ppo_epochs * self.config.minibatches == 1
 
-    def _loss(self, model, batch: Batch, normalizer: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, model, batch: Batch, normalizer: float, dilution: float = 1.0
+              ) -> tuple[torch.Tensor, dict[str, float]]:
         # Logits only where they predict a sampled token: the prompt's and the observations' would be discarded.
         logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
                                               return_entropy=True, shared_prefix=batch.shared_prefix,
@@ -369,7 +392,7 @@ class GRPOTrainer:
             mask = batch.loss_mask.bool()
             stats["is_weight_mean"] = float(weights[mask].mean()) if mask.any() else 1.0
         if self._loss_terms:
-            share = self._share(batch, normalizer)
+            share = self._share(batch, normalizer / dilution)  # a loss term counts once per optimizer step
             for term in list(self._loss_terms):
                 value, term_stats = term(model, batch, logprobs)
                 if not isinstance(value, torch.Tensor) or value.dim() != 0:
