@@ -322,27 +322,21 @@ class GRPOTrainer:
         """
         if self.config.mean_over == "trained":
             return 1.0
-        if self.config.aggregation == "token-mean":
-            played_units = sum(sum(t.mask) for t in played)
-            trained_units = sum(sum(s.mask) for s in samples)
-        else:
-            played_units = sum(1 for t in played if any(t.mask))
-            trained_units = len(samples)
-        played_total = self.masked_trainer.sum_over_processes(float(played_units))
-        trained_total = self.masked_trainer.sum_over_processes(float(trained_units))
+        played_total = self.masked_trainer.sum_over_processes(self._units(played))
+        trained_total = self.masked_trainer.sum_over_processes(self._units(samples))
         return played_total / trained_total if trained_total else 1.0
 
     def _optimize(self, samples: list[GRPOSample], dilution: float = 1.0) -> dict[str, float]:
         self._attach_old_and_ref_logprobs(samples)
         rng = random.Random(derive_seed(self.seed, "update", self.step_count))
         totals: dict[str, list[float]] = {}
+        loss = functools.partial(self._loss, dilution=dilution)
         for _ in range(self.config.ppo_epochs):
             order = list(range(len(samples)))
             rng.shuffle(order)
             for indices in np.array_split(np.array(order), min(self.config.minibatches, len(order))):
                 batch = [samples[i] for i in indices]
                 normalizer = self._normalizer(batch) * dilution
-                loss = functools.partial(self._loss, dilution=dilution)
                 stats = self.masked_trainer.step(batch, loss, normalizer=normalizer)
                 for key, value in stats.items():
                     totals.setdefault(key, []).append(value)
@@ -351,12 +345,14 @@ class GRPOTrainer:
             out["nonfinite_skipped"] = float(sum(totals["nonfinite_skipped"]))
         return out
 
-    def _normalizer(self, batch: list[GRPOSample]) -> float:
+    def _units(self, episodes: list[GRPOSample] | list[Trajectory]) -> float:
+        """What the loss's mean counts in ``episodes`` on this process: trained tokens or episodes with any."""
         if self.config.aggregation == "token-mean":
-            local = float(sum(sum(s.mask) for s in batch))
-        else:
-            local = float(sum(1 for s in batch if any(s.mask)))
-        return max(self.masked_trainer.sum_over_processes(local), 1.0)
+            return float(sum(sum(e.mask) for e in episodes))
+        return float(sum(1 for e in episodes if any(e.mask)))
+
+    def _normalizer(self, batch: list[GRPOSample]) -> float:
+        return max(self.masked_trainer.sum_over_processes(self._units(batch)), 1.0)
 
     def _share(self, batch: Batch, normalizer: float) -> float:
         """This micro-batch's share of its minibatch, in the aggregation's units."""
