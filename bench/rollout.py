@@ -10,6 +10,11 @@
     history (``reuse_cache=False``: the cost grows with the history) and
     with the backend's kept KV cache (the default: only the new turn's
     tokens are prefilled). Also the prefill alone (a 1-token turn).
+(f) The attention of a turn's prefill at the quickstart evaluation's shapes
+    (rows, new tokens, cached keys, left padding as measured there), in bf16
+    and fp32: contrail's (`contrail.agent.attention.decode_attention`: row
+    by row over each row's visible keys in bf16 from 64 new tokens, else
+    SDPA) against PyTorch's SDPA kernel, alternating, one layer's call.
 (e) An experiment's evaluation episodes (its test experiences in its
     proportions, its rollout limits and sampling, one batch) played with
     the HF backend's ``park_stopped`` on and off, in alternating rounds on
@@ -23,6 +28,7 @@
     python bench/rollout.py --decode                      # (d) the HF backend's CPU decoding, side by side
     python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
         --eval-episodes 64 --repeats 2                    # (e) parking stopped rows, on and off, alternating
+    python bench/rollout.py --prefill-attention           # (f) a turn's prefill attention, row spans vs SDPA
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run (d) only: the HF backend's CPU decoding against its plain path")
     parser.add_argument("--evaluation", default=None, metavar="EXPERIMENT",
                         help="run (e) only: EXPERIMENT's evaluation batch with stopped rows parked and not")
+    parser.add_argument("--prefill-attention", action="store_true",
+                        help="run (f) only: a prefill's attention, row spans against SDPA's kernel")
     parser.add_argument("--json", default=None, help="write the results here")
     return parser.parse_args(argv)
 
@@ -376,6 +384,64 @@ def parking(policy, args, out) -> dict:
     return {"episodes": episodes, "tokens": tokens, "seconds": seconds, "ratio": ratio, "same_episodes": same}
 
 
+# --- (f) a turn's prefill attention ---------------------------------------------------------------
+
+# (rows, new tokens, keys, most left padding): extends of the quickstart's evaluation (SmolLM2-135M, 2-core EPYC)
+PREFILL_SHAPES = [(20, 147, 891, 400), (6, 460, 783, 100), (12, 115, 438, 0), (64, 30, 700, 300), (64, 8, 900, 300)]
+
+
+def prefill_attention(args, out) -> dict:
+    """contrail's prefill attention against PyTorch's SDPA kernel, SmolLM2-135M's heads (9 over 3, 64 wide)."""
+    import torch
+
+    rows, results = [], []
+    for dtype in (torch.bfloat16, torch.float32):
+        for shape in PREFILL_SHAPES:
+            result = prefill_case(dtype, *shape, repeats=max(3, args.repeats))
+            results.append(result)
+            rows.append([str(dtype).removeprefix("torch."), *shape, fmt(result["sdpa_s"] * 1e3, 1),
+                         fmt(result["contrail_s"] * 1e3, 1), fmt(result["ratio"], 2) + "x",
+                         f"{result['max_abs_difference']:.3f}"])
+    out.print(table("(f) one layer's prefill attention: contrail (row spans in bf16 from 64 queries) vs SDPA, "
+                    "medians of alternating runs",
+                    ["dtype", "rows", "new tokens", "keys", "left padding <=", "SDPA ms", "contrail ms",
+                     "contrail / SDPA", "max |diff|"], rows))
+    return {"shapes": results}
+
+
+def prefill_case(dtype, batch: int, queries: int, keys: int, padding: int, repeats: int) -> dict:
+    """One shape timed both ways, alternating; rows left-padded by up to ``padding`` keys."""
+    import types
+
+    import torch
+
+    from contrail.agent.attention import decode_attention
+
+    module = types.SimpleNamespace(num_key_value_groups=3, training=False, is_causal=True)
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(batch, 9, queries, 64, generator=g).to(dtype)
+    key, value = (torch.randn(batch, 3, keys, 64, generator=g).to(dtype) for _ in range(2))
+    mask = torch.ones(batch, 1, queries, keys, dtype=torch.bool).tril(keys - queries)
+    for row, start in enumerate(torch.randint(0, padding + 1, (batch,), generator=g).tolist()):
+        mask[row, :, :, :start] = False  # left padding, as a batch of turns of different lengths has
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.125,
+                                                                enable_gqa=True).transpose(1, 2)
+
+    def mine():
+        return decode_attention(module, query, key, value, mask, scaling=0.125)[0]
+
+    times: dict[str, list[float]] = {"sdpa": [], "contrail": []}
+    for _ in range(repeats):
+        for label, run in (("sdpa", sdpa), ("contrail", mine)):
+            times[label].append(timed(run)[0])
+    sdpa_s, contrail_s = median(times["sdpa"]), median(times["contrail"])
+    return {"dtype": str(dtype), "rows": batch, "queries": queries, "keys": keys, "padding": padding,
+            "sdpa_s": sdpa_s, "contrail_s": contrail_s, "ratio": contrail_s / sdpa_s,
+            "max_abs_difference": (mine().float() - sdpa().float()).abs().max().item()}
+
+
 def rate(policy, tasks, make_env, config: RolloutConfig, seed: int) -> dict:
     """Episodes/s and generated tokens/s of one batched rollout of ``tasks``."""
     seconds, trajectories = play(policy, tasks, make_env, config, seed=seed, batched=True)
@@ -389,6 +455,9 @@ def main(argv=None) -> None:
     set_threads(args.threads)
     out = console()
     info = print_machine(out)
+    if args.prefill_attention:
+        write_json(args.json, {"machine": info, "args": vars(args), "prefill_attention": prefill_attention(args, out)})
+        return
     load_s, policy = timed(lambda: load_policy(args.model))
     out.print(f"model {args.model}: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.1f}M parameters, "
               f"loaded in {load_s:.1f}s")

@@ -6,9 +6,12 @@ keys) it is several times slower than the two matrix products and a softmax
 it stands for (measured on SmolLM2-135M's shapes, batch 64, 450 keys, bf16:
 14.5 ms against 2.4 ms per layer), which made it most of a CPU decode step.
 `decode_attention` computes those few-query cases directly, grouped-query
-heads included. Longer queries (a turn's prefill) go to PyTorch's SDPA with
-the grouped heads read in place rather than copied (`_grouped_sdpa`);
-training and anything unusual go to transformers' own SDPA path unchanged.
+heads included. Longer queries (a turn's prefill) in bf16 are computed a row
+at a time over the span of keys each row may see (`_row_span_attention`),
+skipping its left padding; in fp32, or with few queries, they go to PyTorch's
+SDPA with the grouped heads read in place rather than copied
+(`_grouped_sdpa`). Training and anything unusual go to transformers' own SDPA
+path unchanged.
 
 The HF backend switches a CPU model to it while it generates
 (`decoding_attention`); nothing is changed for training or on GPUs.
@@ -23,6 +26,9 @@ import torch
 
 IMPLEMENTATION = "contrail_decode"
 MAX_DIRECT_QUERIES = 4  # beyond a few query positions SDPA's kernel is faster again
+# From this many queries a bf16 prefill attends row by row (`_row_span_attention`); below it SDPA's kernel
+# was as fast or faster (30 queries: 0.92x, 8: 1.43x; bench/rollout.py --prefill-attention).
+MIN_SPAN_QUERIES = 64
 
 
 def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -41,6 +47,10 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if queries > MAX_DIRECT_QUERIES:
+        if _spans_pay(key, attention_mask, queries):
+            scale = scaling if scaling is not None else dim ** -0.5
+            mask = attention_mask[:, :, -queries:, -key.shape[2]:]
+            return _row_span_attention(query, key, value, mask, scale).transpose(1, 2).contiguous(), None
         return _grouped_sdpa(module, query, key, value, attention_mask, scaling, **kwargs)
     if attention_mask is None:  # transformers leaves out an all-visible mask: the new queries are causal
         attention_mask = _causal_mask(queries, key.shape[2], query.device)
@@ -61,6 +71,51 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     weights = scores.softmax(-1).to(value.dtype).view(batch, kv_heads, groups * queries, length)
     output = torch.matmul(weights, value).view(batch, heads, queries, dim)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _spans_pay(key: torch.Tensor, attention_mask: torch.Tensor | None, queries: int) -> bool:
+    """Whether a prefill is faster row by row: a bf16 (or fp16) cache, a boolean mask, enough queries.
+
+    The cache's dtype decides: under autocast the queries leave the rotary
+    embedding in fp32 while the cache holds bf16 (`contrail.agent.kv_cache`).
+    """
+    return (key.dtype in (torch.bfloat16, torch.float16) and attention_mask is not None
+            and attention_mask.dtype == torch.bool and queries >= MIN_SPAN_QUERIES)
+
+
+def _row_span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """A prefill's attention one row at a time, each row over the keys from its first visible one to its last.
+
+    ``query (B, H, q, D)``, ``key``/``value (B, Hkv, L, D)``, ``mask`` boolean
+    ``(B, 1, q, L)``; returns ``(B, H, q, D)`` in the cache's dtype. A batch is left-padded to its
+    longest row, and later turns leave holes, so SDPA's kernel computed a
+    third or more of its scores for keys no query may see; it also ran at a
+    quarter of the bf16 matrix-product rate (SmolLM2-135M's shapes, 20 rows,
+    147 new tokens over 891 keys: 58 ms a layer against 31 ms this way).
+    Row by row, each row's scores are two bf16 products over its own span,
+    masked (holes, causality) and normalised in place. A query that may see
+    nothing (a padding position of a fresh batch) gets weights over its span
+    instead of NaN, as transformers' eager attention does; nothing reads it.
+    """
+    batch, heads, queries, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads  # query head h reads key/value head h // groups (transformers' repeat_kv)
+    visible = mask[:, 0].any(1)  # (B, L): the keys some query of the row may see
+    length = visible.shape[-1]
+    first = visible.int().argmax(-1).tolist()
+    last = (length - visible.flip(-1).int().argmax(-1)).tolist()
+    hidden = ~mask
+    grouped = (query * scale).to(key.dtype).reshape(batch, kv_heads, groups * queries, dim)
+    output = key.new_zeros(batch, kv_heads, groups * queries, dim)
+    lowest = torch.finfo(key.dtype).min  # not -inf: a query that sees nothing must not turn into NaN
+    for row, (begin, end) in enumerate(zip(first, last)):
+        if end <= begin:
+            continue  # a row with no visible key (all padding): zeros
+        scores = torch.matmul(grouped[row], key[row, :, begin:end].transpose(-1, -2))
+        scores.view(kv_heads, groups, queries, end - begin).masked_fill_(hidden[row, 0, :, begin:end], lowest)
+        torch.matmul(scores.softmax(-1), value[row, :, begin:end], out=output[row])
+    return output.view(batch, heads, queries, dim)
 
 
 def _grouped_sdpa(module, query, key, value, attention_mask, scaling, **kwargs) -> tuple[torch.Tensor, None]:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from contrail.agent.attention import MAX_DIRECT_QUERIES, decode_attention, decoding_attention
+from contrail.agent.attention import MAX_DIRECT_QUERIES, MIN_SPAN_QUERIES, decode_attention, decoding_attention
 from contrail.testing import tiny_model, tiny_tokenizer
 
 
@@ -117,3 +117,44 @@ def test_without_a_mask_the_new_queries_attend_causally(queries):
     mine, _ = decode_attention(module, query, key, value, None, scaling=0.3)
     theirs, _ = sdpa_attention_forward(module, query, key, value, causal.expand(3, 1, -1, -1), scaling=0.3)
     torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+
+
+def _span_inputs(queries: int = MIN_SPAN_QUERIES, dtype=torch.bfloat16):
+    """A bf16 prefill over a left-padded batch: row 0 padded 30 keys, row 1 with a hole, row 2 a fresh row
+    whose first queries are padding and see nothing."""
+    module, query, key, value, mask = _inputs(queries, batch=3, length=queries + 40, dim=64)
+    mask[0, :, :, :30] = False
+    mask[2, :, :, :10] = False
+    mask[2, :, :10, :] = False  # padding queries of a fresh row: no visible key at all
+    return module, query.to(dtype), key.to(dtype), value.to(dtype), mask
+
+
+@pytest.mark.parametrize("query_dtype", [torch.bfloat16, torch.float32])  # fp32: out of autocast's rotary
+def test_a_bf16_prefill_attends_row_by_row_over_visible_keys_only(monkeypatch, query_dtype):
+    """Keys no query of a row may see are never read: NaN there changes nothing, and SDPA is not called."""
+    import contrail.agent.attention as attention
+
+    module, query, key, value, mask = _span_inputs()
+    query = query.to(query_dtype)
+    exact, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, scaling=0.3)
+    key, value = key.clone(), value.clone()
+    for tensor in (key, value):
+        tensor[0, :, :30] = float("nan")  # row 0's left padding
+        tensor[2, :, :10] = float("nan")
+    monkeypatch.setattr(attention, "_grouped_sdpa", lambda *a, **k: pytest.fail("went to SDPA's kernel"))
+    mine, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    assert mine.shape == (3, MIN_SPAN_QUERIES, 6, 64)
+    assert torch.isfinite(mine).all()  # the queries that see nothing too
+    seen = mask[:, 0].any(-1)  # (B, q): queries with something to see
+    # bf16 scores: within bf16's rounding of the fp32 result (a wrong mask or span is off by ~0.5)
+    torch.testing.assert_close(mine.float()[seen], exact[seen], rtol=0, atol=4e-2)
+
+
+@pytest.mark.parametrize("queries, dtype", [(MIN_SPAN_QUERIES - 1, torch.bfloat16), (MIN_SPAN_QUERIES, torch.float32)])
+def test_short_or_fp32_prefills_stay_on_sdpa_kernel(monkeypatch, queries, dtype):
+    import contrail.agent.attention as attention
+
+    module, query, key, value, mask = _span_inputs(queries, dtype)
+    monkeypatch.setattr(attention, "_row_span_attention", lambda *a, **k: pytest.fail("went row by row"))
+    mine, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
+    assert mine.shape == (3, queries, 6, 64)
