@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from contrail.agent.attention import decoding_attention
-from contrail.agent.kv_cache import growing_cache
+from contrail.agent.kv_cache import GrowingLayer, growing_cache
 from contrail.models import forward_accepts
 
 
@@ -572,9 +572,12 @@ def _joined(sessions: list[_Session]) -> _Session:
     width = max(session.attention.shape[1] for session in sessions)
     cache = sessions[0].cache
     for number, layer in enumerate(cache.layers):
+        parts = [session.cache.layers[number] for session in sessions]
+        if isinstance(layer, GrowingLayer):
+            layer.join(parts, width)  # one copy, into a buffer the next turn appends to
+            continue
         for name in ("keys", "values"):
-            tensors = [getattr(session.cache.layers[number], name) for session in sessions]
-            setattr(layer, name, torch.cat([_left_pad(t, width, dim=-2) for t in tensors]))
+            setattr(layer, name, torch.cat([_left_pad(getattr(part, name), width, dim=-2) for part in parts]))
     attention = torch.cat([_left_pad(session.attention, width, dim=-1) for session in sessions])
     positions = torch.cat([session.next_position for session in sessions])
     known = [ids for session in sessions for ids in session.known]

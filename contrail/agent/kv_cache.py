@@ -80,6 +80,37 @@ class GrowingLayer(DynamicLayer):
         self._buffers = (id(self), keys, values)
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
 
+    def join(self, layers: list[DynamicLayer], width: int) -> None:
+        """Hold the rows of ``layers`` (this one may be among them), each left-padded to ``width`` positions.
+
+        One buffer with this class's headroom is filled once: concatenating
+        left-padded copies and adopting the result at the next update were
+        three copies of the whole cache, each into freshly allocated memory,
+        whose page faults cost more than the copies (a turn's joins were 7%
+        of an evaluation's time on a 2-core EPYC). Padding positions are zero.
+        """
+        parts = [(layer.keys, layer.values) for layer in layers]
+        first = parts[0][0]
+        rows = sum(keys.shape[0] for keys, _ in parts)
+        capacity = width + max(MIN_HEADROOM, width // 8)
+        buffers = []
+        for which in (0, 1):
+            shape = (rows, *first.shape[1:-2], capacity, first.shape[-1])
+            buffer = first.new_empty(shape)
+            start = 0
+            for part in parts:
+                tensor = part[which]
+                end, offset = start + tensor.shape[0], width - tensor.shape[-2]
+                buffer[start:end, ..., :offset, :].zero_()
+                buffer[start:end, ..., offset:width, :] = tensor
+                start = end
+            buffer[..., width:, :].zero_()  # attention reads the unfilled positions too, masked out
+            buffers.append(buffer)
+        self.is_initialized = True
+        self.device = first.device
+        self._buffers = (id(self), buffers[0], buffers[1])
+        self.keys, self.values = buffers[0][..., :width, :], buffers[1][..., :width, :]
+
     def _owns_views(self) -> bool:
         """Whether ``keys`` and ``values`` are still the filled start of this layer's own buffers."""
         owner, keys, values = self._buffers

@@ -136,3 +136,24 @@ def test_a_copied_layer_holds_no_buffer_of_its_original():
     before = layer.keys.clone()
     twin.update(*_states(1, batch=1, seed=3))
     torch.testing.assert_close(layer.keys, before, rtol=0, atol=0)
+
+
+def test_a_join_left_pads_every_layers_rows_into_one_buffer_the_next_update_appends_to():
+    short, long = GrowingLayer(), GrowingLayer()
+    short_states, long_states = _states(3, batch=1, seed=1), _states(5, batch=2, seed=2)
+    short.update(*short_states)
+    long.update(*long_states)
+    joined = GrowingLayer()
+    joined.update(*_states(2, batch=1, seed=3))  # what it held before is replaced
+    joined.join([short, long], width=5)
+    assert joined.keys.shape == (3, 2, 5, 4)
+    for got, (short_part, long_part) in zip((joined.keys, joined.values), zip(short_states, long_states)):
+        torch.testing.assert_close(got[0, :, 2:], short_part[0], rtol=0, atol=0)
+        assert not got[0, :, :2].any()  # left padding is zeros
+        torch.testing.assert_close(got[1:], long_part, rtol=0, atol=0)
+    buffer = joined.keys.data_ptr()
+    new = _states(1, batch=3, seed=4)
+    keys, values = joined.update(*new)
+    assert joined.keys.data_ptr() == buffer  # appended in place: no copy at the next step
+    torch.testing.assert_close(keys[:, :, -1], new[0][:, :, 0], rtol=0, atol=0)
+    torch.testing.assert_close(keys[1:, :, :5], long_states[0], rtol=0, atol=0)
