@@ -343,11 +343,9 @@ def print_run_list(runs, total: int) -> None:
 
 
 def _run_all(runs, total: int, *, sharded: bool, resume: bool, force: bool) -> int:
-    from contrail.allocator import keep_freed_memory
     from contrail.report import compare
     from contrail.runner import run
 
-    keep_freed_memory()  # tensors' memory reused rather than faulted in afresh (contrail.allocator)
     started = time.perf_counter()
     if not runs:
         console.print(f"this share holds none of the {total} runs (more shares than runs)")
