@@ -26,8 +26,9 @@ import torch
 
 IMPLEMENTATION = "contrail_decode"
 MAX_DIRECT_QUERIES = 4  # beyond a few query positions SDPA's kernel is faster again
-# From this many queries a bf16 prefill attends row by row (`_row_span_attention`); below it SDPA's kernel
-# was as fast or faster (30 queries: 0.92x, 8: 1.43x; bench/rollout.py --prefill-attention).
+# From this many queries a bf16 prefill attends row by row (`_row_span_attention`: 0.57-0.69x SDPA's time at
+# 115-460 queries, bench/rollout.py --prefill-attention); below it row by row gained little or lost
+# (a probe on the 2-core EPYC: 28-30 queries 0.92-1.00x, 8 queries 1.43x).
 MIN_SPAN_QUERIES = 64
 
 
