@@ -12,9 +12,11 @@
     tokens are prefilled). Also the prefill alone (a 1-token turn).
 (f) The attention of a turn's prefill at the quickstart evaluation's shapes
     (rows, new tokens, cached keys, left padding as measured there), in bf16
-    and fp32: contrail's (`contrail.agent.attention.decode_attention`: row
-    by row over each row's visible keys in bf16 from 64 new tokens, else
-    SDPA) against PyTorch's SDPA kernel, alternating, one layer's call.
+    and fp32: row by row over each row's visible keys
+    (`contrail.agent.attention.decode_attention` as on a CPU without AMX
+    tiles: bf16 from 64 new tokens, else SDPA) against PyTorch's SDPA
+    kernel, alternating, one layer's call; and which of the two contrail
+    uses on this CPU (SDPA where it has AMX).
 (e) An experiment's evaluation episodes (its test experiences in its
     proportions, its rollout limits and sampling, one batch) played with
     the HF backend's ``park_stopped`` on and off, in alternating rounds on
@@ -391,8 +393,10 @@ PREFILL_SHAPES = [(20, 147, 891, 400), (6, 460, 783, 100), (12, 115, 438, 0), (6
 
 
 def prefill_attention(args, out) -> dict:
-    """contrail's prefill attention against PyTorch's SDPA kernel, SmolLM2-135M's heads (9 over 3, 64 wide)."""
+    """Row-by-row prefill attention against PyTorch's SDPA kernel, SmolLM2-135M's heads (9 over 3, 64 wide)."""
     import torch
+
+    from contrail.agent.attention import cpu_has_amx
 
     rows, results = [], []
     for dtype in (torch.bfloat16, torch.float32):
@@ -400,22 +404,28 @@ def prefill_attention(args, out) -> dict:
             result = prefill_case(dtype, *shape, repeats=max(3, args.repeats))
             results.append(result)
             rows.append([str(dtype).removeprefix("torch."), *shape, fmt(result["sdpa_s"] * 1e3, 1),
-                         fmt(result["contrail_s"] * 1e3, 1), fmt(result["ratio"], 2) + "x",
-                         f"{result['max_abs_difference']:.3f}"])
-    out.print(table("(f) one layer's prefill attention: contrail (row spans in bf16 from 64 queries) vs SDPA, "
-                    "medians of alternating runs",
-                    ["dtype", "rows", "new tokens", "keys", "left padding <=", "SDPA ms", "contrail ms",
-                     "contrail / SDPA", "max |diff|"], rows))
-    return {"shapes": results}
+                         fmt(result["row_spans_s"] * 1e3, 1), fmt(result["ratio"], 2) + "x",
+                         f"{result['max_abs_difference']:.3f}", result["contrail_uses"]])
+    out.print(table(f"(f) one layer's prefill attention: row by row over each row's visible keys vs SDPA, medians "
+                    f"of alternating runs (this CPU {'has' if cpu_has_amx() else 'lacks'} AMX tiles)",
+                    ["dtype", "rows", "new tokens", "keys", "left padding <=", "SDPA ms", "row spans ms",
+                     "row spans / SDPA", "max |diff|", "contrail uses"], rows))
+    return {"amx": cpu_has_amx(), "shapes": results}
 
 
 def prefill_case(dtype, batch: int, queries: int, keys: int, padding: int, repeats: int) -> dict:
-    """One shape timed both ways, alternating; rows left-padded by up to ``padding`` keys."""
+    """One shape timed both ways, alternating; rows left-padded by up to ``padding`` keys.
+
+    The row-by-row side is `decode_attention` told the CPU has no AMX tiles,
+    so it goes row by row wherever the shape allows; ``contrail_uses`` says
+    which of the two it picks on this CPU.
+    """
     import types
+    from unittest import mock
 
     import torch
 
-    from contrail.agent.attention import decode_attention
+    from contrail.agent import attention
 
     module = types.SimpleNamespace(num_key_value_groups=3, training=False, is_causal=True)
     g = torch.Generator().manual_seed(0)
@@ -429,17 +439,19 @@ def prefill_case(dtype, batch: int, queries: int, keys: int, padding: int, repea
         return torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.125,
                                                                 enable_gqa=True).transpose(1, 2)
 
-    def mine():
-        return decode_attention(module, query, key, value, mask, scaling=0.125)[0]
+    def row_spans():
+        with mock.patch.object(attention, "cpu_has_amx", lambda: False):
+            return attention.decode_attention(module, query, key, value, mask, scaling=0.125)[0]
 
-    times: dict[str, list[float]] = {"sdpa": [], "contrail": []}
+    times: dict[str, list[float]] = {"sdpa": [], "row_spans": []}
     for _ in range(repeats):
-        for label, run in (("sdpa", sdpa), ("contrail", mine)):
+        for label, run in (("sdpa", sdpa), ("row_spans", row_spans)):
             times[label].append(timed(run)[0])
-    sdpa_s, contrail_s = median(times["sdpa"]), median(times["contrail"])
+    sdpa_s, row_spans_s = median(times["sdpa"]), median(times["row_spans"])
+    uses = "row spans" if attention.prefills_by_row(key, mask, queries) else "SDPA"
     return {"dtype": str(dtype), "rows": batch, "queries": queries, "keys": keys, "padding": padding,
-            "sdpa_s": sdpa_s, "contrail_s": contrail_s, "ratio": contrail_s / sdpa_s,
-            "max_abs_difference": (mine().float() - sdpa().float()).abs().max().item()}
+            "sdpa_s": sdpa_s, "row_spans_s": row_spans_s, "ratio": row_spans_s / sdpa_s, "contrail_uses": uses,
+            "max_abs_difference": (row_spans().float() - sdpa().float()).abs().max().item()}
 
 
 def rate(policy, tasks, make_env, config: RolloutConfig, seed: int) -> dict:

@@ -6,9 +6,9 @@ keys) it is several times slower than the two matrix products and a softmax
 it stands for (measured on SmolLM2-135M's shapes, batch 64, 450 keys, bf16:
 14.5 ms against 2.4 ms per layer), which made it most of a CPU decode step.
 `decode_attention` computes those few-query cases directly, grouped-query
-heads included. Longer queries (a turn's prefill) in bf16 are computed a row
-at a time over the span of keys each row may see (`_row_span_attention`),
-skipping its left padding; in fp32, or with few queries, they go to PyTorch's
+heads included. Longer queries (a turn's prefill) in bf16 on a CPU without
+AMX tiles are computed a row at a time over the span of keys each row may see
+(`_row_span_attention`), skipping its left padding; otherwise they go to PyTorch's
 SDPA with the grouped heads read in place rather than copied
 (`_grouped_sdpa`). Training and anything unusual go to transformers' own SDPA
 path unchanged.
@@ -20,15 +20,17 @@ The HF backend switches a CPU model to it while it generates
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
 
 IMPLEMENTATION = "contrail_decode"
 MAX_DIRECT_QUERIES = 4  # beyond a few query positions SDPA's kernel is faster again
-# From this many queries a bf16 prefill attends row by row (`_row_span_attention`: 0.57-0.69x SDPA's time at
-# 115-460 queries, bench/rollout.py --prefill-attention); below it row by row gained little or lost
-# (a probe on the 2-core EPYC: 28-30 queries 0.92-1.00x, 8 queries 1.43x).
+# From this many queries a bf16 prefill attends row by row (`_row_span_attention`) on a CPU without AMX tiles:
+# 0.57-0.69x SDPA's time at 115-460 queries on the AVX512-BF16 EPYC (bench/rollout.py --prefill-attention);
+# below it row by row gained little or lost (28-30 queries 0.92-1.00x, 8 queries 1.43x). With AMX, SDPA's
+# kernel multiplies in tiles and row by row lost (a 2-core Xeon: 0.72-1.50x, 1.3x and 1.8-3.2x at those shapes).
 MIN_SPAN_QUERIES = 64
 
 
@@ -48,7 +50,7 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if queries > MAX_DIRECT_QUERIES:
-        if _spans_pay(key, attention_mask, queries):
+        if prefills_by_row(key, attention_mask, queries):
             scale = scaling if scaling is not None else dim ** -0.5
             mask = attention_mask[:, :, -queries:, -key.shape[2]:]
             return _row_span_attention(query, key, value, mask, scale).transpose(1, 2).contiguous(), None
@@ -74,14 +76,21 @@ def decode_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return output.transpose(1, 2).contiguous(), None
 
 
-def _spans_pay(key: torch.Tensor, attention_mask: torch.Tensor | None, queries: int) -> bool:
-    """Whether a prefill is faster row by row: a bf16 (or fp16) cache, a boolean mask, enough queries.
+def prefills_by_row(key: torch.Tensor, attention_mask: torch.Tensor | None, queries: int) -> bool:
+    """Whether a prefill is faster row by row: a bf16 (or fp16) cache, a boolean mask, enough queries, no AMX.
 
     The cache's dtype decides: under autocast the queries leave the rotary
     embedding in fp32 while the cache holds bf16 (`contrail.agent.kv_cache`).
     """
     return (key.dtype in (torch.bfloat16, torch.float16) and attention_mask is not None
-            and attention_mask.dtype == torch.bool and queries >= MIN_SPAN_QUERIES)
+            and attention_mask.dtype == torch.bool and queries >= MIN_SPAN_QUERIES
+            and key.device.type == "cpu" and not cpu_has_amx())
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles, with which SDPA's bf16 kernel outruns row-by-row attention."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def _row_span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

@@ -134,6 +134,7 @@ def test_a_bf16_prefill_attends_row_by_row_over_visible_keys_only(monkeypatch, q
     """Keys no query of a row may see are never read: NaN there changes nothing, and SDPA is not called."""
     import contrail.agent.attention as attention
 
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: False)
     module, query, key, value, mask = _span_inputs()
     query = query.to(query_dtype)
     exact, _ = sdpa_attention_forward(module, query.float(), key.float(), value.float(), mask, scaling=0.3)
@@ -150,10 +151,14 @@ def test_a_bf16_prefill_attends_row_by_row_over_visible_keys_only(monkeypatch, q
     torch.testing.assert_close(mine.float()[seen], exact[seen], rtol=0, atol=4e-2)
 
 
-@pytest.mark.parametrize("queries, dtype", [(MIN_SPAN_QUERIES - 1, torch.bfloat16), (MIN_SPAN_QUERIES, torch.float32)])
-def test_short_or_fp32_prefills_stay_on_sdpa_kernel(monkeypatch, queries, dtype):
+@pytest.mark.parametrize("queries, dtype, amx", [(MIN_SPAN_QUERIES - 1, torch.bfloat16, False),
+                                                 (MIN_SPAN_QUERIES, torch.float32, False),
+                                                 (MIN_SPAN_QUERIES, torch.bfloat16, True)])
+def test_short_fp32_or_amx_prefills_stay_on_sdpa_kernel(monkeypatch, queries, dtype, amx):
+    """Row by row pays only for long bf16 prefills on a CPU without AMX tiles (bench/rollout.py --prefill-attention)."""
     import contrail.agent.attention as attention
 
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: amx)
     module, query, key, value, mask = _span_inputs(queries, dtype)
     monkeypatch.setattr(attention, "_row_span_attention", lambda *a, **k: pytest.fail("went row by row"))
     mine, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
