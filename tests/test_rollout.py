@@ -233,6 +233,26 @@ def test_cache_is_reused_only_for_extending_prompts(tokenizer, chat, random_poli
     assert kept.logprobs == pytest.approx(recomputed.logprobs, abs=1e-4)
 
 
+def test_a_next_turn_that_fits_the_kept_buffer_appends_in_place_without_a_copy(tokenizer, chat, random_policy,
+                                                                              monkeypatch):
+    import contrail.agent.backend as backend_module
+
+    model, _ = random_policy
+    backend = HFBackend(model, frozenset(), tokenizer.pad_token_id)  # no stop id: no row is parked
+    params = SamplingParams(max_new_tokens=3, temperature=0)
+    prompts = [chat.prompt_ids([{"role": "user", "content": f"say the word {word} ."}]) for word in ("a", "b c")]
+    first = backend.generate(prompts, params)
+    buffer = backend._session.pieces[0].cache.layers[0]._buffers[1].data_ptr()
+    monkeypatch.setattr(backend_module, "_assembled", lambda *a, **k: pytest.fail("copied the kept cache"))
+    follow = [p + g.ids + [5] for p, g in zip(prompts, first)]  # a short next turn: fits the buffer's headroom
+    kept = backend.generate(follow, params)
+    assert backend._session.pieces[0].cache.layers[0]._buffers[1].data_ptr() == buffer
+    monkeypatch.undo()
+    fresh = HFBackend(model, frozenset(), tokenizer.pad_token_id, reuse_cache=False)
+    recomputed = fresh.generate(follow, params)
+    assert [g.ids for g in kept] == [g.ids for g in recomputed]
+
+
 def _shared_prefix_prompts(chat):
     instructions = "you play a word game . " * 12  # every prompt opens with these
     prompts = [chat.prompt_ids([{"role": "user", "content": instructions + ask}])
@@ -472,9 +492,14 @@ def test_a_turn_s_parked_pieces_are_joined_only_when_a_next_turn_extends_them(to
     import contrail.agent.backend as backend_module
 
     model, _ = random_policy
-    joins = []
-    real_join = backend_module._joined
-    monkeypatch.setattr(backend_module, "_joined", lambda sessions: joins.append(len(sessions)) or real_join(sessions))
+    joins = []  # for each assembled cache, how many sessions its rows came from
+    real_assembled = backend_module._assembled
+
+    def assembled(sources, room=0):
+        joins.append(len({id(session) for session, _ in sources}))
+        return real_assembled(sources, room)
+
+    monkeypatch.setattr(backend_module, "_assembled", assembled)
     stop = frozenset(range(5, len(tokenizer), 6))  # rows stop at many steps, so some are parked
     # One long shared prefix and one-word ends: the prefill is one cluster and one bucket, so it joins nothing.
     prompts = [chat.prompt_ids([{"role": "user", "content": "say the word " * 30 + f"{word} ."}])
@@ -483,8 +508,8 @@ def test_a_turn_s_parked_pieces_are_joined_only_when_a_next_turn_extends_them(to
     backend = HFBackend(model, stop, tokenizer.pad_token_id, seed=7)
     first = backend.generate(prompts, params)
     assert len({len(g.ids) for g in first}) > 3  # rows stopped at different steps: some were parked
-    assert joins == []  # the last turn of an episode would drop the cache: nothing is copied yet
+    assert max(joins) == 1  # the last turn of an episode would drop the cache: no pieces are joined yet
     backend.reset_cache()
     first = backend.generate(prompts, params)
     backend.generate([p + g.ids + chat.user_turn_ids("again") for p, g in zip(prompts, first)], params)
-    assert joins and joins[0] > 1  # the next turn joined the parked pieces of the first
+    assert max(joins) > 1  # the next turn joined the parked pieces of the first

@@ -182,11 +182,6 @@ class _Session:
     next_position: torch.Tensor
     known: list[list[int]]
 
-    def select(self, index: torch.Tensor, known: list[list[int]]) -> _Session:
-        """The session of rows ``index`` (repeats allowed: copies), whose ids are ``known``."""
-        self.cache.batch_select_indices(index)
-        return _Session(self.cache, self.attention[index], self.next_position[index], known)
-
     def take(self, index: torch.Tensor) -> _Session:
         """A new session of rows ``index``, leaving this one as it is (its cache is copied, not changed)."""
         cache = copy.copy(self.cache)
@@ -196,24 +191,28 @@ class _Session:
         return _Session(cache, self.attention[index], self.next_position[index],
                         [list(self.known[i]) for i in index.tolist()])
 
-    def repeat(self, row: int, times: int) -> _Session:
-        """The session of ``times`` copies of row ``row``."""
-        index = torch.full((times,), row, dtype=torch.long, device=self.attention.device)
-        return self.select(index, [list(self.known[row]) for _ in range(times)])
-
 
 @dataclass
 class _Parts:
     """A turn's kept cache still in the pieces its decode left (parked rows, the rows decoding to the end).
 
-    Joined into one `_Session` only when a next turn extends it (`joined`):
-    after an episode's last turn the rollout drops the cache, and joining it
-    then copied the whole cache for nothing, at the turn's memory peak.
-    ``known[r]`` are row ``r``'s ids, rows in the pieces' order.
+    A next turn reads the rows it extends straight from the pieces
+    (`sources`), copying them once into its own cache (`_assembled`); after
+    an episode's last turn the rollout drops the cache, and joining it then
+    copied the whole cache for nothing, at the turn's memory peak.
+    ``known[r]`` are row ``r``'s ids (sampled ids fed included), rows in the
+    pieces' order; each piece's own ``known`` is set to its share.
     """
 
     pieces: list[_Session]
     known: list[list[int]]
+
+    def __post_init__(self) -> None:
+        start = 0
+        for piece in self.pieces:
+            end = start + len(piece.known)
+            piece.known = self.known[start:end]
+            start = end
 
     def match(self, prompts: list[list[int]]) -> list[int] | None:
         """For each prompt, the row whose cached ids it strictly extends; None if any has none."""
@@ -227,11 +226,10 @@ class _Parts:
             taken.add(row)
         return rows
 
-    def joined(self) -> _Session:
-        """One session of every piece's rows, in ``known``'s order (a single piece is returned as it is)."""
-        session = _joined(self.pieces) if len(self.pieces) > 1 else self.pieces[0]
-        session.known = self.known
-        return session
+    def sources(self, rows: list[int]) -> list[tuple[_Session, int]]:
+        """Where each of ``rows`` (indices into ``known``) lies: ``(piece, row of the piece)``."""
+        located = [(piece, row) for piece in self.pieces for row in range(len(piece.known))]
+        return [located[row] for row in rows]
 
 
 # Below this many shared ids, a separate batch-1 forward for the shared prefix costs more than it saves.
@@ -348,8 +346,8 @@ class HFBackend:
                     kept = None  # not extended: its memory is free before the prefill
                     session, logits = self._prefill(prompts)
                 else:
-                    whole, kept = kept.joined(), None  # the pieces are freed once joined
-                    session, logits = self._extend(whole, rows, prompts)
+                    sources, kept = kept.sources(rows), None
+                    session, logits = self._extend(sources, prompts)  # empties ``sources``: the pieces are freed
                 generations = self._decode(session, prompts, logits, params, seeds)
         finally:
             if was_training:
@@ -380,13 +378,10 @@ class HFBackend:
         distinct, row_of = _distinct(prompts)
         clusters = _prefix_clusters(distinct) if self.share_prefix else [list(range(len(distinct)))]
         parts = [self._prefill_cluster([distinct[i] for i in cluster]) for cluster in clusters]
-        session, logits = _joined_with_logits(parts) if len(parts) > 1 else parts[0]
-        place = {d: position for position, d in enumerate(i for cluster in clusters for i in cluster)}
-        rows = [place[d] for d in row_of]
-        if rows == list(range(len(session.known))):
-            return session, logits
-        index = torch.tensor(rows, device=logits.device)
-        return session.select(index, [list(p) for p in prompts]), logits[index]
+        if len(parts) == 1 and clusters[0] == row_of:  # one cluster in prompt order, no repeats: as it is
+            return parts[0]
+        place = {d: (c, j) for c, cluster in enumerate(clusters) for j, d in enumerate(cluster)}
+        return _assembled_with_logits(parts, [place[d] for d in row_of])
 
     def _prefill_cluster(self, prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
         """Prefill ``prompts``, their shared prefix once when it is long enough to pay for its own forward."""
@@ -394,7 +389,7 @@ class HFBackend:
         if not self.share_prefix or len(prompts) < 2 or head < MIN_SHARED_PREFIX:
             return self._prefill_rows(prompts)
         session, _ = self._prefill_rows([prompts[0][:head]])
-        return self._extend(session.repeat(0, len(prompts)), list(range(len(prompts))), prompts)
+        return self._extend([(session, 0)] * len(prompts), prompts)
 
     def _prefill_rows(self, prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
         device = self._device()
@@ -405,41 +400,40 @@ class HFBackend:
         lengths = torch.tensor([len(p) for p in prompts], device=device)
         return _Session(cache, attention, lengths, [list(p) for p in prompts]), logits
 
-    def _extend(self, session: _Session, rows: list[int], prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
-        """Keep the matched rows of the cache and prefill only each prompt's new tokens.
+    def _extend(self, sources: list[tuple[_Session, int]], prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
+        """Prefill only each prompt's new tokens, after the cached row it extends (``sources[i]``: session, row).
 
         New parts of very different lengths (a one-line observation beside a
         room description) are prefilled in a few buckets of similar lengths,
-        each from its rows of the cache, so short rows are not padded to the
-        longest; the buckets' sessions are joined back in row order.
+        so short rows are not padded to the longest. Each bucket's rows are
+        copied once from where they lie into a cache with room for its new
+        tokens (`_assembled`), and the buckets once more into one cache in
+        prompt order. ``sources`` is emptied once read, so the cache it
+        points into can be freed before that last copy.
         """
-        new_lengths = [len(p) - len(session.known[r]) for p, r in zip(prompts, rows)]
+        new_lengths = [len(p) - len(session.known[row]) for p, (session, row) in zip(prompts, sources)]
         buckets = _length_buckets(new_lengths) if self.share_prefix else [list(range(len(prompts)))]
-        if len(buckets) == 1:
-            return self._extend_rows(session, rows, prompts)
-        device = self._device()
-        parts = [self._extend_rows(session.take(torch.tensor([rows[i] for i in bucket], device=device)),
-                                   list(range(len(bucket))), [prompts[i] for i in bucket]) for bucket in buckets]
-        joined, logits = _joined_with_logits(parts)
-        place = {i: position for position, i in enumerate(i for bucket in buckets for i in bucket)}
-        index = torch.tensor([place[i] for i in range(len(prompts))], device=device)
-        return joined.select(index, [list(p) for p in prompts]), logits[index]
+        parts = []
+        for bucket in buckets:
+            rows, room = [sources[i] for i in bucket], max(new_lengths[i] for i in bucket)
+            session = _in_place(rows, room) or _assembled(rows, room)
+            parts.append(self._extend_rows(session, [prompts[i] for i in bucket]))
+        sources.clear()
+        if len(parts) == 1:
+            return parts[0]
+        place = {i: (b, j) for b, bucket in enumerate(buckets) for j, i in enumerate(bucket)}
+        return _assembled_with_logits(parts, [place[i] for i in range(len(prompts))])
 
-    def _extend_rows(self, session: _Session, rows: list[int],
-                     prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
-        """`_extend` in one batch: every row's new tokens left-padded to the longest."""
+    def _extend_rows(self, session: _Session, prompts: list[list[int]]) -> tuple[_Session, torch.Tensor]:
+        """`_extend` in one batch: row ``i`` of ``session`` extended to ``prompts[i]``, new tokens left-padded."""
         device = self._device()
-        index = torch.tensor(rows, device=device)
-        if rows != list(range(len(session.known))):
-            session.cache.batch_select_indices(index)
-        new = [p[len(session.known[r]):] for p, r in zip(prompts, rows)]
+        new = [p[len(known):] for p, known in zip(prompts, session.known)]
         input_ids, block = _left_padded(new, self.pad_id)
         input_ids, block = input_ids.to(device), block.to(device)
-        next_position = session.next_position[index]
-        positions = next_position[:, None] + (block.cumsum(-1) - 1).clamp(min=0)
-        attention = torch.cat([session.attention[index], block], dim=1)
+        positions = session.next_position[:, None] + (block.cumsum(-1) - 1).clamp(min=0)
+        attention = torch.cat([session.attention, block], dim=1)
         cache, logits = self._forward(input_ids, attention, positions, session.cache)
-        lengths = next_position + block.sum(-1)
+        lengths = session.next_position + block.sum(-1)
         return _Session(cache, attention, lengths, [list(p) for p in prompts]), logits
 
     def _decode(self, session: _Session, prompts, logits, params: SamplingParams,
@@ -567,26 +561,43 @@ def _length_buckets(lengths: list[int], max_buckets: int = 3, min_saving: float 
     return [order[begin:end] for begin, end in zip(bounds, bounds[1:])]
 
 
-def _joined(sessions: list[_Session]) -> _Session:
-    """One session of several sessions' rows: caches and masks left-padded to one width, then stacked."""
+def _assembled(sources: list[tuple[_Session, int]], room: int = 0) -> _Session:
+    """One session of the rows ``sources`` names (``(session, row)``, in order, repeats allowed).
+
+    Every layer's rows are copied once, left-padded to the widest source, into
+    a buffer with room for ``room`` more positions (`GrowingLayer.assemble`).
+    """
+    sessions = list({id(session): session for session, _ in sources}.values())
     width = max(session.attention.shape[1] for session in sessions)
-    cache = sessions[0].cache
-    for number, layer in enumerate(cache.layers):
-        parts = [session.cache.layers[number] for session in sessions]
-        if isinstance(layer, GrowingLayer):
-            layer.join(parts, width)  # one copy, into a buffer the next turn appends to
-            continue
-        for name in ("keys", "values"):
-            setattr(layer, name, torch.cat([_left_pad(getattr(part, name), width, dim=-2) for part in parts]))
-    attention = torch.cat([_left_pad(session.attention, width, dim=-1) for session in sessions])
-    positions = torch.cat([session.next_position for session in sessions])
-    known = [ids for session in sessions for ids in session.known]
+    cache = copy.copy(sessions[0].cache)
+    cache.layers = []
+    for number in range(len(sessions[0].cache.layers)):
+        layer = GrowingLayer()
+        layer.assemble([(session.cache.layers[number], row) for session, row in sources], width, room)
+        cache.layers.append(layer)
+    attention = torch.stack([_left_pad(session.attention[row], width, dim=-1) for session, row in sources])
+    positions = torch.stack([session.next_position[row] for session, row in sources])
+    known = [list(session.known[row]) for session, row in sources]
     return _Session(cache, attention, positions, known)
 
 
-def _joined_with_logits(parts: list[tuple[_Session, torch.Tensor]]) -> tuple[_Session, torch.Tensor]:
-    """`_joined` sessions, with their next-token logits stacked in the same row order."""
-    return _joined([session for session, _ in parts]), torch.cat([logits for _, logits in parts])
+def _in_place(sources: list[tuple[_Session, int]], room: int) -> _Session | None:
+    """The session itself when ``sources`` are all its rows in order and every layer's buffer has room for
+    ``room`` more positions (a next turn then appends in place, no copy); else None."""
+    session = sources[0][0]
+    if len(sources) != len(session.known) or any(s is not session or r != i for i, (s, r) in enumerate(sources)):
+        return None
+    if all(isinstance(layer, GrowingLayer) and layer.spare() >= room for layer in session.cache.layers):
+        return session
+    return None
+
+
+def _assembled_with_logits(parts: list[tuple[_Session, torch.Tensor]],
+                           places: list[tuple[int, int]]) -> tuple[_Session, torch.Tensor]:
+    """`_assembled` from ``parts`` (sessions with their next-token logits): row ``i`` is part ``places[i][0]``'s
+    row ``places[i][1]``."""
+    session = _assembled([(parts[part][0], row) for part, row in places])
+    return session, torch.stack([parts[part][1][row] for part, row in places])
 
 
 def _worth_parking(done: torch.Tensor, steps_left: int) -> bool:

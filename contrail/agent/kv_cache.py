@@ -20,7 +20,7 @@ cast, one full copy per layer, at every decode step, and took twice the
 memory. Stored in bf16 it holds exactly the values attention reads.
 
 Code that replaces a layer's ``keys``/``values`` with tensors of its own
-(``batch_select_indices``, the HF backend's row selection and joins) keeps
+(``batch_select_indices``, the HF backend's row selection) keeps
 working: the next update sees the tensors are not views of this layer's
 buffer and adopts them into a new one.
 
@@ -80,36 +80,41 @@ class GrowingLayer(DynamicLayer):
         self._buffers = (id(self), keys, values)
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
 
-    def join(self, layers: list[DynamicLayer], width: int) -> None:
-        """Hold the rows of ``layers`` (this one may be among them), each left-padded to ``width`` positions.
+    def assemble(self, rows: list[tuple[DynamicLayer, int]], width: int, room: int = 0) -> None:
+        """Hold, in order, row ``r`` of layer ``l`` for each ``(l, r)`` of ``rows`` (repeats allowed), left-padded
+        to ``width`` positions, with room for ``room`` more before this class's headroom.
 
-        One buffer with this class's headroom is filled once: concatenating
-        left-padded copies and adopting the result at the next update were
-        three copies of the whole cache, each into freshly allocated memory,
+        One buffer is filled once, a slice copy per run of consecutive rows
+        of one layer. This is how the HF backend builds a turn's cache from
+        the last turn's pieces, its prefill buckets and its duplicate rows:
+        selecting, concatenating, reordering and adopting were up to five
+        copies of the whole cache a turn, each into freshly allocated memory,
         whose page faults cost more than the copies (a turn's joins were 7%
-        of an evaluation's time on a 2-core EPYC). Padding positions are zero.
+        of an evaluation's time on a 2-core EPYC, 14% on a 2-core AMX Xeon).
+        Padding and unfilled positions are zero.
         """
-        parts = [(layer.keys, layer.values) for layer in layers]
-        first = parts[0][0]
-        rows = sum(keys.shape[0] for keys, _ in parts)
-        capacity = width + max(MIN_HEADROOM, width // 8)
+        first = rows[0][0].keys
+        capacity = width + room + max(MIN_HEADROOM, (width + room) // 8)
         buffers = []
-        for which in (0, 1):
-            shape = (rows, *first.shape[1:-2], capacity, first.shape[-1])
-            buffer = first.new_empty(shape)
-            start = 0
-            for part in parts:
-                tensor = part[which]
-                end, offset = start + tensor.shape[0], width - tensor.shape[-2]
-                buffer[start:end, ..., :offset, :].zero_()
-                buffer[start:end, ..., offset:width, :] = tensor
-                start = end
+        for which in ("keys", "values"):
+            buffer = first.new_empty((len(rows), *first.shape[1:-2], capacity, first.shape[-1]))
+            for start, layer, row, count in _runs(rows):
+                tensor = getattr(layer, which)[row:row + count]
+                offset = width - tensor.shape[-2]
+                buffer[start:start + count, ..., :offset, :].zero_()
+                buffer[start:start + count, ..., offset:width, :] = tensor
             buffer[..., width:, :].zero_()  # attention reads the unfilled positions too, masked out
             buffers.append(buffer)
         self.is_initialized = True
         self.device = first.device
         self._buffers = (id(self), buffers[0], buffers[1])
         self.keys, self.values = buffers[0][..., :width, :], buffers[1][..., :width, :]
+
+    def spare(self) -> int:
+        """Positions this layer's buffer has left before an update must reallocate (0 without one of its own)."""
+        if self._buffers is None or not self._owns_views():
+            return 0
+        return self._buffers[1].shape[-2] - self.keys.shape[-2]
 
     def _owns_views(self) -> bool:
         """Whether ``keys`` and ``values`` are still the filled start of this layer's own buffers."""
@@ -138,6 +143,18 @@ class GrowingLayer(DynamicLayer):
                 buffer[..., :length, :] = cached
             buffers.append(buffer)
         self._buffers = (id(self), buffers[0], buffers[1])
+
+
+def _runs(rows: list[tuple[DynamicLayer, int]]) -> list[tuple[int, DynamicLayer, int, int]]:
+    """``rows`` as runs ``(first output row, layer, first row, count)`` of consecutive rows of one layer."""
+    runs: list[tuple[int, DynamicLayer, int, int]] = []
+    for position, (layer, row) in enumerate(rows):
+        if runs and runs[-1][1] is layer and runs[-1][2] + runs[-1][3] == row:
+            start, _, first, count = runs[-1]
+            runs[-1] = (start, layer, first, count + 1)
+        else:
+            runs.append((position, layer, row, 1))
+    return runs
 
 
 def _as_autocast(states: torch.Tensor) -> torch.Tensor:

@@ -138,22 +138,25 @@ def test_a_copied_layer_holds_no_buffer_of_its_original():
     torch.testing.assert_close(layer.keys, before, rtol=0, atol=0)
 
 
-def test_a_join_left_pads_every_layers_rows_into_one_buffer_the_next_update_appends_to():
+def test_assembling_left_pads_the_named_rows_in_order_into_one_buffer_the_next_updates_append_to():
     short, long = GrowingLayer(), GrowingLayer()
-    short_states, long_states = _states(3, batch=1, seed=1), _states(5, batch=2, seed=2)
+    short_states, long_states = _states(3, batch=1, seed=1), _states(5, batch=3, seed=2)
     short.update(*short_states)
     long.update(*long_states)
-    joined = GrowingLayer()
-    joined.update(*_states(2, batch=1, seed=3))  # what it held before is replaced
-    joined.join([short, long], width=5)
-    assert joined.keys.shape == (3, 2, 5, 4)
-    for got, (short_part, long_part) in zip((joined.keys, joined.values), zip(short_states, long_states)):
-        torch.testing.assert_close(got[0, :, 2:], short_part[0], rtol=0, atol=0)
-        assert not got[0, :, :2].any()  # left padding is zeros
-        torch.testing.assert_close(got[1:], long_part, rtol=0, atol=0)
-    buffer = joined.keys.data_ptr()
-    new = _states(1, batch=3, seed=4)
-    keys, values = joined.update(*new)
-    assert joined.keys.data_ptr() == buffer  # appended in place: no copy at the next step
-    torch.testing.assert_close(keys[:, :, -1], new[0][:, :, 0], rtol=0, atol=0)
-    torch.testing.assert_close(keys[1:, :, :5], long_states[0], rtol=0, atol=0)
+    assembled = GrowingLayer()
+    assembled.update(*_states(2, batch=1, seed=3))  # what it held before is replaced
+    # out of order, a repeat, and a run of consecutive rows (copied as one slice)
+    rows = [(long, 2), (short, 0), (long, 0), (long, 1), (long, 2)]
+    assembled.assemble(rows, width=5, room=70)
+    assert assembled.keys.shape == (5, 2, 5, 4)
+    for got, short_part, long_part in zip((assembled.keys, assembled.values), short_states, long_states):
+        torch.testing.assert_close(got[1, :, 2:], short_part[0], rtol=0, atol=0)
+        assert not got[1, :, :2].any()  # left padding is zeros
+        torch.testing.assert_close(got[[0, 2, 3, 4]], long_part[[2, 0, 1, 2]], rtol=0, atol=0)
+    assert assembled.spare() >= 70 + MIN_HEADROOM  # the room asked for, then the usual headroom
+    buffer = assembled.keys.data_ptr()
+    new = _states(70, batch=5, seed=4)  # a prefill of the room's size
+    keys, values = assembled.update(*new)
+    assert assembled.keys.data_ptr() == buffer  # appended in place: no copy
+    torch.testing.assert_close(keys[:, :, 5:], new[0], rtol=0, atol=0)
+    torch.testing.assert_close(keys[2:4, :, :5], long_states[0][:2], rtol=0, atol=0)
