@@ -275,6 +275,22 @@ def test_shared_prefix_prefill_samples_what_row_by_row_prefill_samples(tokenizer
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_a_shared_prefix_whose_rests_fall_in_several_buckets_is_extended_from_an_intact_copy(tokenizer, chat,
+                                                                                          random_policy):
+    """The prefix's cache feeds every bucket: a one-prompt bucket must not extend it in place (a later bucket
+    would read the prefix with that prompt's tokens appended)."""
+    model, _ = random_policy
+    instructions = "you play a word game . " * 12
+    prompts = [chat.prompt_ids([{"role": "user", "content": instructions + rest}])
+               for rest in ("go .", "say the word . " * 40)]  # rests of 5 and 163 ids: two buckets, short first
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    shared = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, share_prefix=True).generate(prompts, params)
+    plain = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, share_prefix=False).generate(prompts, params)
+    assert [g.ids for g in shared] == [g.ids for g in plain]
+    for a, b in zip(shared, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
 def test_shared_prefix_prefill_runs_the_shared_part_once(tokenizer, chat, random_policy):
     model, _ = random_policy
     prompts = _shared_prefix_prompts(chat)

@@ -11,6 +11,7 @@ weights); ``prepare_update()`` before it lets a backend free memory.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 from collections.abc import Iterator
@@ -413,10 +414,13 @@ class HFBackend:
         """
         new_lengths = [len(p) - len(session.known[row]) for p, (session, row) in zip(prompts, sources)]
         buckets = _length_buckets(new_lengths) if self.share_prefix else [list(range(len(prompts)))]
+        unread = collections.Counter(id(session) for session, _ in sources)  # rows still to read, per session
         parts = []
         for bucket in buckets:
             rows, room = [sources[i] for i in bucket], max(new_lengths[i] for i in bucket)
-            session = _in_place(rows, room) or _assembled(rows, room)
+            unread.subtract(id(session) for session, _ in rows)
+            # Extended in place only if no later bucket reads that session (a shared prefix feeds them all).
+            session = (_in_place(rows, room) if unread[id(rows[0][0])] == 0 else None) or _assembled(rows, room)
             parts.append(self._extend_rows(session, [prompts[i] for i in bucket]))
         sources.clear()
         if len(parts) == 1:
