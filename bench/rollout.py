@@ -396,7 +396,7 @@ def prefill_attention(args, out) -> dict:
     """Row-by-row prefill attention against PyTorch's SDPA kernel, SmolLM2-135M's heads (9 over 3, 64 wide)."""
     import torch
 
-    from contrail.agent.attention import cpu_has_amx
+    from contrail.precision import cpu_has_amx
 
     rows, results = [], []
     for dtype in (torch.bfloat16, torch.float32):

@@ -18,11 +18,12 @@ True
 
 from __future__ import annotations
 
+import functools
 from typing import Literal, get_args
 
 import torch
 
-__all__ = ["PRECISIONS", "Precision", "describe_precision", "fast_bf16", "resolve_precision"]
+__all__ = ["PRECISIONS", "Precision", "cpu_has_amx", "describe_precision", "fast_bf16", "resolve_precision"]
 
 Precision = Literal["auto", "fp32", "bf16"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -55,5 +56,16 @@ def fast_bf16(device: torch.device | str) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":
-        return any(bool(getattr(torch.cpu, name, lambda: False)()) for name in _CPU_BF16_CHECKS)
+        return any(_cpu_supports(name) for name in _CPU_BF16_CHECKS)
     return False  # MPS and others: fp32, the precision every backend runs at full speed
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (bf16 products in tiles: PyTorch's SDPA kernel uses them too)."""
+    return _cpu_supports("_is_amx_tile_supported")
+
+
+def _cpu_supports(check: str) -> bool:
+    """torch's private CPU feature check ``check`` (False where this torch lacks it)."""
+    return bool(getattr(torch.cpu, check, lambda: False)())

@@ -508,11 +508,11 @@ def test_a_turn_s_parked_pieces_are_joined_only_when_a_next_turn_extends_them(to
     import contrail.agent.backend as backend_module
 
     model, _ = random_policy
-    joins = []  # for each assembled cache, how many sessions its rows came from
+    read = []  # for each assembled cache, the sessions its rows came from
     real_assembled = backend_module._assembled
 
     def assembled(sources, room=0):
-        joins.append(len({id(session) for session, _ in sources}))
+        read.append({id(session) for session, _ in sources})
         return real_assembled(sources, room)
 
     monkeypatch.setattr(backend_module, "_assembled", assembled)
@@ -524,8 +524,12 @@ def test_a_turn_s_parked_pieces_are_joined_only_when_a_next_turn_extends_them(to
     backend = HFBackend(model, stop, tokenizer.pad_token_id, seed=7)
     first = backend.generate(prompts, params)
     assert len({len(g.ids) for g in first}) > 3  # rows stopped at different steps: some were parked
-    assert max(joins) == 1  # the last turn of an episode would drop the cache: no pieces are joined yet
+    pieces = {id(piece) for piece in backend._session.pieces}
+    assert len(pieces) > 1
+    assert not any(sessions & pieces for sessions in read)  # the last turn of an episode drops them: no copy yet
     backend.reset_cache()
     first = backend.generate(prompts, params)
+    pieces = {id(piece) for piece in backend._session.pieces}
+    read.clear()
     backend.generate([p + g.ids + chat.user_turn_ids("again") for p, g in zip(prompts, first)], params)
-    assert max(joins) > 1  # the next turn joined the parked pieces of the first
+    assert any(len(sessions & pieces) > 1 for sessions in read)  # the next turn read the first's parked pieces

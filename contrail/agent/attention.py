@@ -20,10 +20,11 @@ The HF backend switches a CPU model to it while it generates
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
+
+from contrail.precision import cpu_has_amx
 
 IMPLEMENTATION = "contrail_decode"
 MAX_DIRECT_QUERIES = 4  # beyond a few query positions SDPA's kernel is faster again
@@ -85,12 +86,6 @@ def prefills_by_row(key: torch.Tensor, attention_mask: torch.Tensor | None, quer
     return (key.dtype in (torch.bfloat16, torch.float16) and attention_mask is not None
             and attention_mask.dtype == torch.bool and queries >= MIN_SPAN_QUERIES
             and key.device.type == "cpu" and not cpu_has_amx())
-
-
-@functools.cache
-def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles, with which SDPA's bf16 kernel outruns row-by-row attention."""
-    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 
 
 def _row_span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,

@@ -423,6 +423,7 @@ class HFBackend:
             session = (_in_place(rows, room) if unread[id(rows[0][0])] == 0 else None) or _assembled(rows, room)
             parts.append(self._extend_rows(session, [prompts[i] for i in bucket]))
         sources.clear()
+        del rows  # the last bucket's sources too: the cache they point into is freed before the copy below
         if len(parts) == 1:
             return parts[0]
         place = {i: (b, j) for b, bucket in enumerate(buckets) for j, i in enumerate(bucket)}
