@@ -69,13 +69,14 @@ class CountingFactory:
 
     def __init__(self, make_env) -> None:
         self.make_env, self.built, self.closed, self.close_calls = make_env, 0, 0, 0
-        self.open: dict[int, str] = {}
+        # id -> (env name, env): holding the env keeps its id from going to a later env until it is closed
+        self.open: dict[int, tuple[str, object]] = {}
 
     def __call__(self, task):
         env = self.make_env(task.env)
         self.built += 1
         key, real_close = id(env), env.close
-        self.open[key] = task.env
+        self.open[key] = (task.env, env)
 
         def close() -> None:
             self.close_calls += 1
@@ -157,7 +158,7 @@ def soak(make_env) -> dict:
         "envs_built": factory.built,
         "envs_closed": factory.closed,
         "close_calls": factory.close_calls,
-        "unclosed_by_env": sorted(factory.open.values()),
+        "unclosed_by_env": sorted(name for name, _ in factory.open.values()),
         "episode_errors": errors,
         "tasks_drawn": drawn["counts"],
     }
