@@ -238,7 +238,33 @@ def update_throughput(args, out, device: str = "cpu") -> dict:
                             "matmul peak GFLOP/s", "of peak", memory], rows))
     if "bf16_over_fp32" in results:
         out.print(f"bf16 / fp32 update throughput: {results['bf16_over_fp32']:.2f}x")
+    if device == "cpu":
+        results["adamw_step"] = adamw_step_seconds(args, out)
     return results
+
+
+def adamw_step_seconds(args, out, repeats: int = 4) -> dict:
+    """One AdamW step over the model's trainable shapes: the fused kernel the trainer takes against the per-op
+    loop that is PyTorch's CPU default, alternating, best of ``repeats`` each."""
+    shapes = [p.shape for p in load_policy(args.model).model.parameters()]
+
+    def optimizer(fused: bool):
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        adamw = torch.optim.AdamW(params, lr=1e-4, fused=fused)
+        adamw.step()  # warm-up: the state tensors
+        return adamw
+
+    variants = {"fused": optimizer(True), "per-op": optimizer(False)}
+    seconds = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, adamw in variants.items():
+            seconds[name].append(timed(adamw.step)[0])
+    best = {name: min(times) for name, times in seconds.items()}
+    out.print(f"AdamW step over {args.model}'s {len(shapes)} tensors: fused {best['fused'] * 1e3:.0f} ms, "
+              f"per-op {best['per-op'] * 1e3:.0f} ms: fused / per-op {best['fused'] / best['per-op']:.2f}x")
+    return {"seconds": seconds, "fused_over_per_op": best["fused"] / best["per-op"]}
 
 
 # --- (b) one full step: contrail vs TRL, each in a worker process ---------------------------------

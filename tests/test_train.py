@@ -81,6 +81,27 @@ def test_micro_batching_gives_the_same_gradient_as_one_batch(tokenizer):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+def test_a_cpu_trainer_steps_with_the_fused_adamw_and_its_first_step_is_adam_s(tokenizer):
+    """The fused kernel (one pass per tensor; bench/README.md) with AdamW's own semantics: after the decay,
+    Adam's first step moves a weight by lr * g / (|g| + eps): never more than lr, and lr where |g| >> eps."""
+    model = tiny_model(tokenizer)
+    samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=4), tokenizer, use_cache=False)
+    lr, decay = 1e-3, 0.1
+    trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lr=lr, weight_decay=decay))
+    assert trainer.optimizer.defaults["fused"] is True
+    before = {n: p.detach().clone() for n, p in trainer.unwrapped.named_parameters()}
+    versions = [p._version for p in trainer.unwrapped.parameters()]
+    trainer.step(samples, cross_entropy_loss)
+    # The kernel bumps no version counter; the trainer does, for the vLLM sync (contrail.agent.vllm.fingerprint).
+    assert all(p._version > v for p, v in zip(trainer.unwrapped.parameters(), versions))
+    moved = 0
+    for name, parameter in trainer.unwrapped.named_parameters():
+        step = (parameter.detach() - before[name] * (1 - lr * decay)).abs()
+        assert step.max() <= lr * 1.001, name
+        moved += int((step > lr * 0.99).sum())
+    assert moved > 0.9 * sum(p.numel() for p in before.values())
+
+
 def test_lora_trains_only_adapters(tokenizer):
     pytest.importorskip("peft")
     model = tiny_model(tokenizer)
