@@ -11,6 +11,11 @@
     ``positions=loss_mask`` (the LM head and log-softmax only where they
     predict a sampled token), in alternating rounds; the table gives each
     round's times and the ratio of medians.
+(c) Under bf16 autocast, the same LoRA scoring pass (sampled positions only)
+    in the trainer's ``MaskedTokenTrainer.autocast()``, where adapters take
+    their input as it comes, against a plain ``torch.autocast``, where PEFT
+    casts a bf16 input up to the adapter's fp32 first (autocast then casts it
+    back), in alternating rounds.
 
     python bench/scoring.py --quick            # SmolLM2-135M, 2 micro-batches of 5 rows, 3 rounds
     python bench/scoring.py --model tiny       # overheads only
@@ -52,13 +57,16 @@ def quickstart_batch(rows: int, prefix: int, turns: int, generated: int, observa
     return ids, attention, loss_mask
 
 
-def scoring_pass(model, batches, positions: bool, autocast: bool) -> None:
-    """Forward and backward of every micro-batch's scoring, as one update runs it."""
+def scoring_pass(model, batches, positions: bool, autocast: bool, context=None) -> None:
+    """Forward and backward of every micro-batch's scoring, as one update runs it.
+
+    ``context``: the autocast context to score in (default: ``torch.autocast``, on when ``autocast``).
+    """
     from contrail.train.logprobs import sequence_logprobs
 
     for ids, attention, loss_mask in batches:
         start = int(torch.nonzero(loss_mask.any(0))[0])
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with (context or (lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)))():
             logprobs, entropy = sequence_logprobs(model, ids, attention, start=start, return_entropy=True,
                                                   shared_prefix=start - 1,
                                                   positions=loss_mask if positions else None)
@@ -129,9 +137,38 @@ def main() -> None:
         f"(b) LoRA scoring pass, {resolved}: {args.micro_batches} micro-batches x {args.rows} rows, "
         f"{sampled} sampled of {scored} scored tokens", ["LM head at", "seconds per round", "median"], rows))
     console.print(f"sampled only / every position: [bold]{after / before:.2f}x[/]")
+    uncast = adapter_inputs(args, batches, console) if resolved == "bf16" else None
     common.write_json(args.json, {"machine": info, "matmul_gflops": {"fp32": fp32 / 1e9, "bf16": bf16 / 1e9},
                                   "precision": resolved, "seconds": times, "ratio": after / before,
-                                  "sampled_tokens": sampled, "scored_tokens": scored})
+                                  "sampled_tokens": sampled, "scored_tokens": scored, "adapter_inputs": uncast})
+
+
+def adapter_inputs(args, batches, console) -> dict:
+    """(c): the trainer's autocast (adapter inputs uncast) against a plain one (PEFT's cast), alternating."""
+    from contrail.models import load_model
+    from contrail.train.config import TrainConfig
+    from contrail.train.trainer import MaskedTokenTrainer
+
+    if args.model == "tiny":
+        model, tokenizer = common.tiny_model_and_tokenizer()
+    else:
+        model, tokenizer = load_model(args.model)
+    trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lora=True, lora_r=16, lora_alpha=32, precision="bf16"))
+    contexts = {"trainer's autocast": trainer.autocast,
+                "torch.autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
+    scoring_pass(trainer.model, batches[:1], True, True, trainer.autocast)  # warm-up
+    times: dict[str, list[float]] = {label: [] for label in contexts}
+    for _ in range(args.rounds):
+        for label, context in contexts.items():
+            seconds, _ = common.timed(lambda context=context: scoring_pass(trainer.model, batches, True, True, context))
+            times[label].append(seconds)
+    rows = [[label, " / ".join(common.fmt(t, 2) for t in values), common.fmt(common.median(values), 2)]
+            for label, values in times.items()]
+    console.print(common.table("(c) LoRA scoring pass, bf16, sampled positions: where adapters take their input",
+                               ["autocast", "seconds per round", "median"], rows))
+    ratio = common.median(times["trainer's autocast"]) / common.median(times["torch.autocast"])
+    console.print(f"trainer's autocast (input uncast) / torch.autocast (PEFT's cast): [bold]{ratio:.2f}x[/]")
+    return {"seconds": times, "ratio": ratio}
 
 
 if __name__ == "__main__":

@@ -115,6 +115,24 @@ def test_lora_trains_only_adapters(tokenizer):
         assert changed == ("lora_" in name), name
 
 
+def test_under_bf16_autocast_lora_adapters_take_their_input_uncast_with_the_same_outputs(tokenizer):
+    """PEFT's cast of a bf16 input up to the adapter's fp32 is a round trip under autocast: skipped, same logits."""
+    pytest.importorskip("peft")
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    model = tiny_model(tokenizer)
+    trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lora=True, lora_r=4, precision="bf16"))
+    layers = [m for m in trainer.unwrapped.modules() if isinstance(m, BaseTunerLayer)]
+    ids = torch.tensor([[5, 9, 14, 7, 22, 3]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = trainer.model(input_ids=ids).logits
+    with trainer.autocast():
+        assert layers and not any(layer.cast_input_dtype_enabled for layer in layers)
+        logits = trainer.model(input_ids=ids).logits
+    assert all(layer.cast_input_dtype_enabled for layer in layers)  # outside autocast PEFT casts as before
+    assert torch.equal(logits, expected)
+
+
 def test_full_weights_samples_from_the_lora_merged_model_and_restores_it(tokenizer):
     """Inside `full_weights` a LoRA model runs its merged weights (no adapter products) with the same outputs;
     on exit the base weights are back and the adapter is applied, and trains, as before."""
