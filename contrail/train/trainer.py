@@ -254,7 +254,7 @@ class MaskedTokenTrainer:
         if fused:
             # The fused kernel writes the weights without bumping their version counters, which say
             # "the weights moved" to the vLLM backend's sync (`contrail.agent.vllm.fingerprint`).
-            optimizer.register_step_post_hook(lambda *_: torch.autograd.graph.increment_version(parameters))
+            optimizer.register_step_post_hook(lambda *_: _bump_versions(parameters))
         warmup = max(1, config.warmup_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
@@ -569,6 +569,11 @@ def _adapters_take_autocast_inputs(model, active: bool):
     from peft.helpers import disable_input_dtype_casting
 
     return disable_input_dtype_casting(model)
+
+
+def _bump_versions(parameters: list[torch.Tensor]) -> None:
+    for parameter in parameters:  # one at a time: torch < 2.5 takes no list
+        torch.autograd.graph.increment_version(parameter)
 
 
 def _fused_adamw(parameters: list[torch.Tensor], accelerator: Accelerator) -> bool:
