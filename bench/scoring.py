@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 import _common as common
 import torch
@@ -57,16 +58,17 @@ def quickstart_batch(rows: int, prefix: int, turns: int, generated: int, observa
     return ids, attention, loss_mask
 
 
-def scoring_pass(model, batches, positions: bool, autocast: bool, context=None) -> None:
-    """Forward and backward of every micro-batch's scoring, as one update runs it.
+def bf16_autocast(enabled: bool = True):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
-    ``context``: the autocast context to score in (default: ``torch.autocast``, on when ``autocast``).
-    """
+
+def scoring_pass(model, batches, positions: bool, autocast) -> None:
+    """Forward and backward of every micro-batch's scoring, as one update runs it, inside ``autocast()``."""
     from contrail.train.logprobs import sequence_logprobs
 
     for ids, attention, loss_mask in batches:
         start = int(torch.nonzero(loss_mask.any(0))[0])
-        with (context or (lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)))():
+        with autocast():
             logprobs, entropy = sequence_logprobs(model, ids, attention, start=start, return_entropy=True,
                                                   shared_prefix=start - 1,
                                                   positions=loss_mask if positions else None)
@@ -121,7 +123,7 @@ def main() -> None:
     vocab = model.get_output_embeddings().weight.shape[0]
     batches = [quickstart_batch(args.rows, args.prefix, args.turns, args.generated, args.observation, vocab, seed)
                for seed in range(args.micro_batches)]
-    autocast = resolved == "bf16"
+    autocast = functools.partial(bf16_autocast, resolved == "bf16")
     scoring_pass(model, batches[:1], positions=True, autocast=autocast)  # warm-up: allocator, first-call costs
     times: dict[str, list[float]] = {"every position": [], "sampled only": []}
     for _ in range(args.rounds):
@@ -154,13 +156,12 @@ def adapter_inputs(args, batches, console) -> dict:
     else:
         model, tokenizer = load_model(args.model)
     trainer = MaskedTokenTrainer(model, tokenizer, TrainConfig(lora=True, lora_r=16, lora_alpha=32, precision="bf16"))
-    contexts = {"trainer's autocast": trainer.autocast,
-                "torch.autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
-    scoring_pass(trainer.model, batches[:1], True, True, trainer.autocast)  # warm-up
+    contexts = {"trainer's autocast": trainer.autocast, "torch.autocast": bf16_autocast}
+    scoring_pass(trainer.model, batches[:1], True, trainer.autocast)  # warm-up
     times: dict[str, list[float]] = {label: [] for label in contexts}
     for _ in range(args.rounds):
         for label, context in contexts.items():
-            seconds, _ = common.timed(lambda context=context: scoring_pass(trainer.model, batches, True, True, context))
+            seconds, _ = common.timed(lambda context=context: scoring_pass(trainer.model, batches, True, context))
             times[label].append(seconds)
     rows = [[label, " / ".join(common.fmt(t, 2) for t in values), common.fmt(common.median(values), 2)]
             for label, values in times.items()]

@@ -249,7 +249,7 @@ class MaskedTokenTrainer:
             checkpointed_prefix.enable_checkpointing(model)
             model.config.use_cache = False
         parameters = [p for p in model.parameters() if p.requires_grad]
-        fused = _fused_adamw(parameters, self.accelerator)
+        fused = _fused_adamw(parameters, self.sharded)
         optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, fused=fused)
         if fused:
             # The fused kernel writes the weights without bumping their version counters, which say
@@ -576,7 +576,7 @@ def _bump_versions(parameters: list[torch.Tensor]) -> None:
         torch.autograd.graph.increment_version(parameter)
 
 
-def _fused_adamw(parameters: list[torch.Tensor], accelerator: Accelerator) -> bool:
+def _fused_adamw(parameters: list[torch.Tensor], sharded: bool) -> bool:
     """Whether AdamW takes its fused kernel: one pass over each tensor instead of a dozen.
 
     On a 2-core CPU the per-op AdamW step over SmolLM2-135M's weights took
@@ -584,7 +584,6 @@ def _fused_adamw(parameters: list[torch.Tensor], accelerator: Accelerator) -> bo
     the fused one 80 ms (bench/README.md). Sharded weights (FSDP,
     DeepSpeed) keep PyTorch's default: their engines wrap the optimizer.
     """
-    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
     return not sharded and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in parameters)
 
 
