@@ -54,12 +54,15 @@ def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
     import transformers
 
+    from contrail.allocator import keeps_freed_memory
+
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     info: dict[str, Any] = {
         "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "usable_cores": usable,
         "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
         "load_average_1min": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
+        "malloc_keeps_freed_memory": keeps_freed_memory(),
     }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -73,14 +76,19 @@ def print_machine(console) -> dict[str, Any]:
         f"[bold]machine[/]: {info['cpu']} | {info['usable_cores']} usable of {info['cores']} cores | "
         f"flags {' '.join(info['cpu_flags']) or '-'} | torch {info['torch']} ({info['torch_threads']} threads, "
         f"OMP_NUM_THREADS={info['OMP_NUM_THREADS']}) | transformers {info['transformers']} | "
-        f"python {info['python']} | load avg {info['load_average_1min']}"
+        f"python {info['python']} | load avg {info['load_average_1min']} | "
+        f"malloc {'keeps freed memory' if info['malloc_keeps_freed_memory'] else 'as the system has it'}"
         + (f" | GPU {info['gpu']}" if "gpu" in info else "")
     )
     return info
 
 
-def set_threads(threads: int | None) -> None:
-    """Use ``threads`` intra-op threads (None keeps torch's default)."""
+def prepare_process(threads: int | None) -> None:
+    """Run as the ``contrail`` command does: malloc keeps freed memory (`contrail.allocator`; not under
+    ``CONTRAIL_MALLOC=system``), with ``threads`` intra-op threads (None keeps torch's default)."""
+    from contrail.allocator import keep_freed_memory
+
+    keep_freed_memory()
     if threads:
         torch.set_num_threads(threads)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from _common import console, set_threads, table, write_json
+from _common import console, prepare_process, table, write_json
 
 from contrail import strategies
 from contrail.agent.backend import HFBackend
@@ -93,7 +93,7 @@ def run(name: str, options: dict, seed: int, args) -> list[dict[str, float]]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    set_threads(args.threads)
+    prepare_process(args.threads)
     out = console()
     results: dict[str, list] = {}
     first, second = f"magic:{args.difficulty}", f"magic-berry:{args.difficulty}"

@@ -35,7 +35,7 @@ import time
 import traceback
 from pathlib import Path
 
-from _common import console, fmt, load_policy, median, print_machine, repeat, set_threads, table, write_json
+from _common import console, fmt, load_policy, median, prepare_process, print_machine, repeat, table, write_json
 
 import contrail.envs as envs
 from contrail.agent.backend import HFBackend, SamplingParams
@@ -236,7 +236,7 @@ def main(argv=None) -> None:
     if args.first_use_worker:
         first_use_worker(*args.first_use_worker)
         return
-    set_threads(args.threads)
+    prepare_process(args.threads)
     out = console()
     info = print_machine(out)
     names = args.envs.split(",") if args.envs else envs.names()

@@ -24,10 +24,20 @@
 (c) ``--gpu``: bf16, a random-init model of Qwen2.5-1.5B's shape (no
     download), 16 sequences of 2,048 tokens with 60% generated: tokens/s,
     peak GPU memory, fraction of the card's measured bf16 matmul rate.
+(d) ``--allocator``: a quickstart-shaped bf16 LoRA update (r 16, 24
+    sequences of 400 tokens unless ``--batch``/``--seq-len`` say otherwise)
+    in worker processes whose malloc keeps freed memory, as the ``contrail``
+    command's does (`contrail.allocator`), and whose malloc is the
+    system's (``CONTRAIL_MALLOC=system``), alternating: update seconds,
+    the kernel's share of them (page faults), peak RSS.
+
+Every process runs as the ``contrail`` command does (`contrail.allocator`),
+the TRL worker of (b) included.
 
     python bench/grpo_step.py --quick          # (a) + (b), a few minutes on 2 cores
     python bench/grpo_step.py --compare-model smollm2-135m --steps 3
     python bench/grpo_step.py --gpu            # on a CUDA machine
+    python bench/grpo_step.py --allocator      # (d), about 4 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -47,14 +58,17 @@ from _common import (
     fmt,
     load_policy,
     matmul_flops,
+    median,
     parameter_count,
     peak_rss_mb,
+    prepare_process,
     print_machine,
-    set_threads,
     table,
     timed,
     write_json,
 )
+
+from contrail.allocator import OPT_OUT, keeps_freed_memory  # noqa: E402 - after _common puts the repo on sys.path
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -93,6 +107,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--skip-a", action="store_true")
     parser.add_argument("--skip-b", action="store_true")
     parser.add_argument("--gpu", action="store_true", help="(c) only: the Qwen2.5-1.5B-shaped bf16 update on CUDA")
+    parser.add_argument("--allocator", action="store_true",
+                        help="(d) only: a LoRA update with malloc keeping freed memory and not, alternating")
+    parser.add_argument("--allocator-rounds", type=int, default=2, help="(d): rounds of one worker per setting")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # update:<precision> | contrail | trl
@@ -147,8 +164,11 @@ def grpo_trainer(model, tokenizer, precision: str, micro_batch_tokens: int | Non
 # --- (a) one update, per precision, in a worker process -------------------------------------
 
 
-def update_worker(args, precision: str) -> dict:
-    """Time ``args.updates`` updates after one warm-up; report tokens/s and the FLOP rate."""
+def update_worker(args, precision: str, lora_r: int = 0) -> dict:
+    """Time ``args.updates`` updates after one warm-up; report tokens/s, the FLOP rate and the kernel's seconds.
+
+    ``lora_r`` > 0: a LoRA update of that rank (the quickstart's), whose FLOP rate is not reported.
+    """
     if args.gpu:
         model, tokenizer = qwen15b_shaped()
     else:
@@ -157,14 +177,17 @@ def update_worker(args, precision: str) -> dict:
     params = parameter_count(model)
     if args.batch % 2:
         raise SystemExit(f"--batch must be even (groups of two episodes), got {args.batch}")
+    lora = {"lora": True, "lora_r": lora_r, "aggregation": "seq-mean-token-mean"} if lora_r else {}
     trainer = grpo_trainer(model, tokenizer, precision, args.micro_batch_tokens, group_size=2,
-                           tasks_per_step=args.batch // 2)
+                           tasks_per_step=args.batch // 2, **lora)
     trajectories = synthetic_trajectories(model.config.vocab_size, args.batch, args.seq_len, args.generated)
     tokens = args.batch * args.seq_len
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer.update(trajectories)  # warm-up: allocator, optimizer state, kernels
+    kernel_before = resource.getrusage(resource.RUSAGE_SELF).ru_stime
     seconds = [timed(lambda: trainer.update(trajectories))[0] for _ in range(args.updates)]
+    kernel_seconds = resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel_before
     best = min(seconds)
     # 6 x params per token for forward + backward, plus 2 x params when the
     # trainer runs a separate no-grad forward for the old log-probs (it skips it
@@ -174,6 +197,7 @@ def update_worker(args, precision: str) -> dict:
     result = {"precision": precision, "params": params, "tokens": tokens, "flop_multiplier": passes,
               "generated_tokens": sum(sum(t.mask) for t in trajectories), "seconds": seconds,
               "tokens_per_s": tokens / best, "flops_per_s": passes * params * tokens / best,
+              "kernel_seconds": kernel_seconds, "malloc_keeps_freed_memory": keeps_freed_memory(),
               "peak_rss_mb": peak_rss_mb(), "threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -265,6 +289,40 @@ def adamw_step_seconds(args, out, repeats: int = 4) -> dict:
     out.print(f"AdamW step over {args.model}'s {len(shapes)} tensors: fused {best['fused'] * 1e3:.0f} ms, "
               f"per-op {best['per-op'] * 1e3:.0f} ms: fused / per-op {best['fused'] / best['per-op']:.2f}x")
     return {"seconds": seconds, "fused_over_per_op": best["fused"] / best["per-op"]}
+
+
+# --- (d) malloc keeping freed memory or not ---------------------------------------------------
+
+
+def allocator_comparison(args, out) -> dict:
+    """The same LoRA update in workers with freed memory kept and with the system's malloc, alternating.
+
+    Each worker times ``args.updates`` updates after a warm-up; a setting's
+    time is the median over rounds of its workers' best update.
+    """
+    settings = {"kept": {}, "system": {OPT_OUT: "system"}}
+    results: dict[str, list[dict]] = {name: [] for name in settings}
+    for round_number in range(args.allocator_rounds):
+        order = list(settings) if round_number % 2 == 0 else list(reversed(settings))
+        for name in order:
+            result = run_worker(args, "allocator:bf16", settings[name])
+            if "error" in result:
+                out.print(f"[red]the {name} worker failed[/]: {result['error']}")
+                return {"error": result["error"]}
+            if result["malloc_keeps_freed_memory"] != (name == "kept"):
+                raise SystemExit(f"the {name} worker's malloc setting did not take (CONTRAIL_MALLOC, MALLOC_*?)")
+            results[name].append(result)
+    best = {name: median([min(r["seconds"]) for r in runs]) for name, runs in results.items()}
+    rows = [[name, " / ".join(" ".join(f"{s:.2f}" for s in r["seconds"]) for r in runs), fmt(best[name], 2),
+             " / ".join(f"{r['kernel_seconds']:.2f}" for r in runs),
+             fmt(max(r["peak_rss_mb"] for r in runs) / 1024, 2)] for name, runs in results.items()]
+    out.print(table(f"(d) one bf16 LoRA update (r 16, {args.batch} x {args.seq_len} tokens), "
+                    f"{args.allocator_rounds} alternating rounds",
+                    ["malloc", "update s (per worker)", "median best s", "kernel s (per worker)", "peak RSS GiB"],
+                    rows))
+    ratio = best["kept"] / best["system"]
+    out.print(f"freed memory kept / system malloc, update time: {ratio:.2f}x")
+    return {"runs": results, "kept_over_system": ratio}
 
 
 # --- (b) one full step: contrail vs TRL, each in a worker process ---------------------------------
@@ -501,19 +559,25 @@ def main(argv=None) -> None:
         args.batch, args.seq_len = (16, 2048) if "--batch" not in sys.argv else (args.batch, args.seq_len)
         args.micro_batch_tokens = args.micro_batch_tokens or 16384
         args.matmul_size = max(args.matmul_size, 8192)
+    if args.allocator and "--batch" not in sys.argv:
+        args.batch, args.seq_len, args.updates = 24, 400, max(args.updates, 2)
     if args.worker:
-        set_threads(args.threads)
+        prepare_process(args.threads)
         role, _, precision = args.worker.partition(":")
-        result = {"update": lambda: update_worker(args, precision), "contrail": lambda: contrail_worker(args),
+        result = {"update": lambda: update_worker(args, precision),
+                  "allocator": lambda: update_worker(args, precision, lora_r=args.lora_r or 16),
+                  "contrail": lambda: contrail_worker(args),
                   "trl": lambda: trl_worker(args)}[role]()
         print(json.dumps(result, default=str))
         return
-    set_threads(args.threads)
+    prepare_process(args.threads)
     out = console()
     info = print_machine(out)
     report = {"machine": info, "args": vars(args)}
     if args.gpu:
         report["update"] = update_throughput(args, out, device="cuda")
+    elif args.allocator:
+        report["allocator"] = allocator_comparison(args, out)
     else:
         if not args.skip_a:
             report["update"] = update_throughput(args, out)

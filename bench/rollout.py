@@ -39,7 +39,7 @@ import argparse
 import os
 import time
 
-from _common import console, fmt, load_policy, median, print_machine, set_threads, table, timed, write_json
+from _common import console, fmt, load_policy, median, prepare_process, print_machine, table, timed, write_json
 
 import contrail.envs as envs
 from contrail.agent.backend import HFBackend, SamplingParams
@@ -464,7 +464,7 @@ def rate(policy, tasks, make_env, config: RolloutConfig, seed: int) -> dict:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    set_threads(args.threads)
+    prepare_process(args.threads)
     out = console()
     info = print_machine(out)
     if args.prefill_attention:

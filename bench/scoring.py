@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    common.set_threads(args.threads)
+    common.prepare_process(args.threads)
     console = common.console()
     info = common.print_machine(console)
 

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from contrail import envs
+from contrail.allocator import keep_freed_memory
 from contrail.precision import PRECISIONS
 
 # Wide tables when printing to a file or a pipe (rich would otherwise assume 80 columns).
@@ -519,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``contrail`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    keep_freed_memory()  # reused blocks instead of fresh pages from the kernel (`contrail.allocator`)
     try:
         return args.handler(args)
     except user_errors() as error:
