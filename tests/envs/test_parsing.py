@@ -73,12 +73,15 @@ HUGE_OUTPUTS = {
 
 
 @pytest.mark.parametrize("name", ["textcraft", "alfworld", "webshop", "searchqa"])
-def test_a_megabyte_output_steps_well_under_a_second(name, make_env):
+def test_a_megabyte_output_is_parsed_without_backtracking(name, make_env):
+    """A guard against patterns that backtrack (seconds per step growing with the square of the output or
+    worse: hours at a megabyte), not a speed claim: a step measured 0.04-0.11 s here (bench/envs.py
+    times the parsers)."""
     env = make_env(name)
     env.reset(env.tasks("test")[0], turn_limit=len(HUGE_OUTPUTS) + 1)
     for label, text in HUGE_OUTPUTS.items():
         started = time.perf_counter()
         step = env.step(text)
         seconds = time.perf_counter() - started
-        assert seconds < 1.0, f"{name}: {label} took {seconds:.2f} s"
+        assert seconds < 10.0, f"{name}: {label} took {seconds:.2f} s"
         assert step.reward == 0 and not step.done, label

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -104,12 +105,24 @@ def test_unreachable_server_fails_after_bounded_retries():
 
 
 class SlowMagic(MagicWordEnv):
+    """Magic whose steps take ``delay`` seconds; counts the steps applied and the most in flight at once."""
+
     delay = 0.3
     steps = 0
+    in_flight = most_in_flight = 0
+    lock = threading.Lock()  # the server steps its sessions in threads of its own
 
     def on_step(self, text: str) -> Step:
-        type(self).steps += 1
-        time.sleep(self.delay)
+        cls = type(self)
+        with cls.lock:
+            cls.steps += 1
+            cls.in_flight += 1
+            cls.most_in_flight = max(cls.most_in_flight, cls.in_flight)
+        try:
+            time.sleep(self.delay)
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
         return super().on_step(text)
 
 
@@ -149,11 +162,11 @@ def test_remote_envs_of_a_turn_step_concurrently(tokenizer):
         spec = f"agentgym:slow-magic@{running.url}"
         tasks = envs.make(spec, train_ids=EASY[:8]).tasks("train")
         chat = ChatFormat.from_tokenizer(tokenizer)
-        started = time.monotonic()
+        SlowMagic.most_in_flight = 0
         done = rollout(Script(chat), chat, tasks, lambda task: envs.make(task.env), RolloutConfig(max_new_tokens=8))
-        elapsed = time.monotonic() - started
     assert len(done) == 8 and all(t.success and t.turns == 2 for t in done)
-    assert elapsed < 2 * 8 * SlowMagic.delay / 2  # serial stepping would take 16 x 0.3 s = 4.8 s
+    # Each step sleeps 0.3 s on the server: stepped one after another, one would be in flight at a time.
+    assert SlowMagic.most_in_flight == 8
 
 
 def _serve_in_subprocess() -> tuple[subprocess.Popen, str]:
