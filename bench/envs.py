@@ -59,8 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# Cache locations set by environment variables (contrail uses several; see the report).
-CACHE_VARIABLES = ("CONTRAIL_CACHE", "CONTRAIL_CACHE_DIR", "CONTRAIL_WEBSHOP_CACHE", "CONTRAIL_ALFWORLD_CACHE")
+# Cache locations set by environment variables (`contrail --help` lists them).
+CACHE_VARIABLES = ("CONTRAIL_CACHE", "CONTRAIL_SEARCHQA_CACHE", "CONTRAIL_WEBSHOP_CACHE", "CONTRAIL_ALFWORLD_CACHE")
 
 
 def options_for(name: str, cache_dir: str) -> dict:

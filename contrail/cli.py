@@ -409,8 +409,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+ENVIRONMENT_HELP = """environment variables:
+  CONTRAIL_CACHE        the embedded model, demonstrations, warm-starts, environment data (default ~/.cache/contrail)
+  CONTRAIL_WEBSHOP_CACHE, CONTRAIL_ALFWORLD_CACHE, CONTRAIL_SEARCHQA_CACHE
+                        one environment's data elsewhere (default: its folder in CONTRAIL_CACHE)
+  CONTRAIL_PRESET_PATH  more folders of strategy and stream presets (os.pathsep-separated)
+  CONTRAIL_MALLOC       'system' leaves glibc's malloc as it is; by default the command has it keep
+                        freed memory for reuse (contrail.allocator)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="contrail", description="Continual RL for LLM agents across environments.")
+    parser = _Parser(prog="contrail", description="Continual RL for LLM agents across environments.",
+                     epilog=ENVIRONMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p_envs = sub.add_parser("envs", help="list environments with their difficulties and task counts")

@@ -244,7 +244,7 @@ class ALFWorldEnv(Env):
     ``game.tw-pddl`` paths; a plain list is a test set) or ``game_dir`` (ALFWorld's ``json_2.1.1`` folder:
     ``train/`` trains, the ``valid_*`` folders test); without either, games
     are generated and cached under ``cache_dir`` (default
-    ``$CONTRAIL_ALFWORLD_CACHE`` or ``~/.cache/contrail/alfworld``).
+    ``$CONTRAIL_ALFWORLD_CACHE``, else ``alfworld/`` in contrail's cache, ``$CONTRAIL_CACHE``).
     """
 
     name = "alfworld"

