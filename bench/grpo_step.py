@@ -68,7 +68,7 @@ from _common import (
     write_json,
 )
 
-from contrail.allocator import OPT_OUT, keeps_freed_memory  # noqa: E402 - after _common puts the repo on sys.path
+from contrail.allocator import OPT_OUT, keeps_freed_memory  # after _common, which puts the repo on sys.path
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -13,8 +13,9 @@ the update took 0.82x the time (``bench/grpo_step.py --allocator``).
 come from the heap and stay there once freed, so the process's resident
 memory stays near its peak instead of falling between phases. The
 ``contrail`` command calls it at start; a program that imports contrail
-decides for itself. ``CONTRAIL_MALLOC=system`` (or any of glibc's own
-``MALLOC_*`` / ``GLIBC_TUNABLES`` settings) leaves ``malloc`` as it is.
+decides for itself. ``CONTRAIL_MALLOC=system`` (or glibc's own malloc
+settings: ``MALLOC_*_`` variables, ``glibc.malloc`` tunables) leaves
+``malloc`` as it is.
 """
 
 from __future__ import annotations
