@@ -14,6 +14,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("CONTRAIL_CACHE") or Path.home() / ".cache" / "contrail")
 
 
+def environment_cache(name: str, variable: str) -> Path:
+    """An environment's own cache folder: ``$variable`` when set, else ``<cache root>/name``."""
+    return Path(os.environ.get(variable) or cache_root() / name).expanduser()
+
+
 @contextlib.contextmanager
 def cache_lock(name: str) -> Iterator[None]:
     """Hold ``<cache>/locks/<name>.lock`` exclusively: one process at a time builds that cache entry.

@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 import contrail.allocator as allocator
 import contrail.cli as cli
 
-needs_glibc = pytest.mark.skipif(allocator._glibc() is None, reason="mallopt is glibc's")
+needs_glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
 # Allocates a 64 MiB block, touches every page, frees it, then does it again and counts the page faults of the
 # second round: the kernel's fresh pages, or the first block's, reused.

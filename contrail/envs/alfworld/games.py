@@ -39,7 +39,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from contrail.envs.alfworld.expert import Goal  # the same goal the expert reads back from a problem
-from contrail.paths import cache_root
+from contrail.paths import environment_cache
 
 TASK_TYPES = (
     "pick_and_place_simple",
@@ -451,10 +451,9 @@ def game_spec(task_type: str, split: str, index: int) -> GameSpec:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV_VAR) or cache_root() / "alfworld"
     import alfworld.info
 
-    return Path(root) / f"gen{GENERATOR_VERSION}-alfworld{alfworld.info.__version__}"
+    return environment_cache("alfworld", CACHE_ENV_VAR) / f"gen{GENERATOR_VERSION}-alfworld{alfworld.info.__version__}"
 
 
 def game_file(spec: GameSpec, cache_dir: Path | None = None) -> Path:

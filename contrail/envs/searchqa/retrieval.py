@@ -18,7 +18,6 @@ is the closest offline stand-in.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 import warnings
@@ -49,9 +48,7 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     ``searchqa/`` in contrail's cache (as WebShop's and ALFWorld's caches are found)."""
     if cache_dir:
         return Path(cache_dir).expanduser() / "searchqa"
-    if os.environ.get(CACHE_ENV_VAR):
-        return Path(os.environ[CACHE_ENV_VAR]).expanduser()
-    return paths.cache_root() / "searchqa"
+    return paths.environment_cache("searchqa", CACHE_ENV_VAR)
 
 
 def corpus_fingerprint(passages: Sequence[Passage]) -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from contrail.envs.webshop.catalog import CATALOG_VERSION, Product, build_catalog, spec_fingerprint
 from contrail.envs.webshop.search import ProductSearch
-from contrail.paths import cache_root
+from contrail.paths import environment_cache
 
 CACHE_ENV_VAR = "CONTRAIL_WEBSHOP_CACHE"
 _CATALOG_FILE = "catalog.json"
@@ -46,7 +46,7 @@ _LOCK = threading.Lock()
 
 def default_cache_root() -> Path:
     """Where shops are kept on disk unless told otherwise."""
-    return Path(os.environ.get(CACHE_ENV_VAR) or cache_root() / "webshop")
+    return environment_cache("webshop", CACHE_ENV_VAR)
 
 
 def get_shop(seed: int = 0, cache_dir: str | os.PathLike | None = None, disk_cache: bool = True) -> Shop:
