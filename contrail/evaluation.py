@@ -1,7 +1,8 @@
 """Evaluating a policy on test experiences: avg@k, pass@k, reward, turns, tokens, invalid actions.
 
-Every experience's tasks are played ``k`` times each, all environments
-batched together in the same rollouts, and summarised per experience.
+Every experience's tasks are played ``k`` times each, in batched rollouts of
+episodes with similar opening prompts (environments mixed where their
+lengths are), and summarised per experience.
 ``avg@k`` (the paper's metric) is the mean over tasks of the success rate of
 the ``k`` samples; ``pass@k`` is the share of tasks solved at least once.
 An episode whose environment raised (in its constructor, ``reset`` or
@@ -25,7 +26,7 @@ import torch
 
 from contrail.agent.backend import Backend
 from contrail.agent.chat import ChatFormat
-from contrail.agent.rollout import RolloutConfig, Trajectory, rollout
+from contrail.agent.rollout import Episode, RolloutConfig, Trajectory, close_unfinished, play, start_episodes
 from contrail.envs.base import Env, Task
 from contrail.policy import Policy
 from contrail.progress import EpisodeProgress
@@ -91,16 +92,32 @@ def episode_seed(seed: int, task: Task, sample: int) -> int:
     return derive_seed(seed, task.env, task.id, sample)
 
 
+# Episodes are started this many batches at a time and batched by opening length within them
+# (`evaluate`): more gives closer lengths in each batch, at the cost of that many live environments.
+START_BATCHES = 4
+
+
 def _interleave(experiences: dict[str, list[Task]], k: int) -> list[tuple[str, Task, int]]:
     """Every (experience, task, sample), round-robin over experiences, first samples first.
 
-    Each batch then mixes environments and their turn counts rather than one
-    long-episode environment filling a batch.
+    Each window of started episodes (`evaluate`) then holds every
+    experience, not one experience's tasks only.
     """
     jobs = [(sample, position, order, name, task)
             for order, (name, tasks) in enumerate(experiences.items())
             for position, task in enumerate(tasks) for sample in range(k)]
     return [(name, task, sample) for sample, _, _, name, task in sorted(jobs, key=lambda job: job[:3])]
+
+
+def _by_opening_length(episodes: list[Episode], batch_episodes: int) -> list[list[Episode]]:
+    """``episodes`` in batches of ``batch_episodes``, shortest opening prompts first.
+
+    A batch is left-padded to its longest prompt, and every decode step of
+    every turn reads that padding in the KV cache; BabyAI's openings alone
+    run from about 380 to 780 tokens. Ties keep their order (round-robin).
+    """
+    ordered = sorted(episodes, key=lambda episode: len(episode.trajectory.ids))
+    return [ordered[start:start + batch_episodes] for start in range(0, len(ordered), batch_episodes)]
 
 
 def evaluate(
@@ -126,13 +143,14 @@ def evaluate(
     random numbers, token by token, so their difference on a task is the
     models' (common random numbers). Without it, the backend's own generator.
 
-    Episodes of all experiences are interleaved into batches of
-    ``batch_episodes``, so different environments share each generation.
+    Episodes are started (environments built and reset) ``START_BATCHES``
+    batches at a time, experiences interleaved, and played in batches of
+    ``batch_episodes`` with similar opening lengths (`_by_opening_length`).
     When ``trajectories_path`` is given, every episode is appended there as
     one readable JSON line (the conversation and its outcome, and the
     ``"experience"`` it was played for: a task may belong to two test
-    experiences, ``babyai`` and ``babyai:easy``), a batch at a time in the
-    batch's order. When ``episodes`` is given, it receives the `Trajectory`
+    experiences, ``babyai`` and ``babyai:easy``), experiences interleaved,
+    a window of started episodes at a time. When ``episodes`` is given, it receives the `Trajectory`
     objects themselves, keyed by experience (the start model's samples for
     `contrail.drift`).
     """
@@ -140,22 +158,23 @@ def evaluate(
         raise ValueError(f"k must be >= 1, got {k}")
     jobs = _interleave(experiences, k)
     results: dict[str, list[Trajectory]] = {name: [] for name in experiences}
+    window = batch_episodes * START_BATCHES
     sink = open(trajectories_path, "a", encoding="utf-8") if trajectories_path else None
     try:
         with EpisodeProgress(len(jobs), description, enabled=show_progress) as progress:
-            for start in range(0, len(jobs), batch_episodes):
-                batch = jobs[start:start + batch_episodes]
-                seeds = [episode_seed(seed, task, sample) for _, task, sample in batch] if seed is not None else None
-                trajectories = rollout(
-                    backend, chat, [job[1] for job in batch], make_env, config,
-                    samples=[job[2] for job in batch], on_turn=progress.turn_done,
-                    on_episode=lambda traj: progress.episode_done(traj.success), seeds=seeds,
-                )
-                # Written after the batch, in job order: only the job knows which experience an episode is for.
-                for job, traj in zip(batch, trajectories, strict=True):
-                    results[job[0]].append(traj)
+            for start in range(0, len(jobs), window):
+                started = _start(jobs[start:start + window], make_env, chat, config, seed)
+                try:
+                    for batch in _by_opening_length(started, batch_episodes):
+                        play(backend, chat, batch, config, on_turn=progress.turn_done,
+                             on_episode=lambda traj: progress.episode_done(traj.success))
+                finally:
+                    close_unfinished(started)  # after an error, the window's other environments too
+                # Kept in job order: only the job knows which experience an episode is for.
+                for (name, _, _), episode in zip(jobs[start:start + window], started, strict=True):
+                    results[name].append(episode.trajectory)
                     if sink:
-                        sink.write(json.dumps({**traj.to_record(), "experience": job[0]}) + "\n")
+                        sink.write(json.dumps({**episode.trajectory.to_record(), "experience": name}) + "\n")
                 if sink:
                     sink.flush()
     finally:
@@ -164,6 +183,14 @@ def evaluate(
     if episodes is not None:
         episodes.update(results)
     return {name: summarize(trajs, k) for name, trajs in results.items()}
+
+
+def _start(jobs: list[tuple[str, Task, int]], make_env: Callable[[Task], Env], chat: ChatFormat,
+           config: RolloutConfig, seed: int | None) -> list[Episode]:
+    """Start one episode per job (`start_episodes`), each with its `episode_seed` when ``seed`` is given."""
+    seeds = [episode_seed(seed, task, sample) for _, task, sample in jobs] if seed is not None else None
+    return start_episodes([task for _, task, _ in jobs], make_env, chat, config,
+                          samples=[sample for _, _, sample in jobs], seeds=seeds)
 
 
 @contextlib.contextmanager

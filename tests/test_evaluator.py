@@ -1,4 +1,5 @@
-"""The evaluator: environment errors counted per experience, the same sampling at every call, RNG left alone."""
+"""The evaluator: environment errors counted per experience, the same sampling at every call, RNG left alone,
+episodes batched by opening length."""
 
 from __future__ import annotations
 
@@ -6,11 +7,13 @@ import json
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from contrail import envs
+from contrail.agent import ChatFormat, Generation
 from contrail.agent.rollout import RolloutConfig
-from contrail.evaluation import Evaluator, preserved_rng, summarize
+from contrail.evaluation import START_BATCHES, Evaluator, evaluate, preserved_rng, summarize
 from contrail.testing import BerryWordEnv, MagicWordEnv, fed_widths, tiny_model, tiny_tokenizer
 
 ROLLOUT = RolloutConfig(max_new_tokens=3, max_episode_tokens=256)
@@ -140,3 +143,93 @@ def test_an_evaluation_batch_beyond_64_episodes_keeps_its_kv_cache_across_turns(
     instructions = widths[0]  # the first forward: the prompts' shared opening, once
     assert instructions > 16
     assert sum(width >= instructions for width in widths) == 1  # never prefilled again
+
+
+class LongOpenings(MagicWordEnv):
+    """The magic word game whose opening question is longer for every other easy task."""
+
+    def on_reset(self, task):
+        return "what is your word ?" + " please" * (8 if task.id % 4 == 2 else 0)
+
+
+class RecordsPrompts:
+    """A backend that always answers the magic word and records each call's prompt lengths."""
+
+    def __init__(self, tokenizer, chat):
+        self.reply = tokenizer("apple", add_special_tokens=False)["input_ids"] + [chat.assistant_close_ids[0]]
+        self.calls: list[list[int]] = []
+
+    def generate(self, prompts, params, seeds=None):
+        self.calls.append([len(p) for p in prompts])
+        return [Generation(list(self.reply), [-0.5] * len(self.reply), stopped=True) for _ in prompts]
+
+
+def test_episodes_are_batched_by_opening_length_and_reported_in_task_order(tmp_path):
+    """A batch is left-padded to its longest prompt, so short and long openings play in separate
+    batches; results and the trajectories file still follow the tasks' order."""
+    tokenizer = tiny_tokenizer()
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    tasks = MagicWordEnv().tasks("test", "easy")[:8]  # openings alternate short, long
+    backend = RecordsPrompts(tokenizer, chat)
+    played: dict = {}
+    path = tmp_path / "episodes.jsonl"
+    results = evaluate(backend, chat, {"magic:easy": tasks}, lambda task: LongOpenings(), config=ROLLOUT,
+                       batch_episodes=4, show_progress=False, episodes=played, trajectories_path=path, seed=0)
+    assert len(backend.calls) == 2 and all(len(set(lengths)) == 1 for lengths in backend.calls)
+    assert backend.calls[0][0] < backend.calls[1][0]  # the short openings first
+    assert [t.task.id for t in played["magic:easy"]] == [t.id for t in tasks]
+    written = [json.loads(line)["task"]["id"] for line in path.read_text().splitlines()]
+    assert written == [t.id for t in tasks]
+    assert results["magic:easy"].avg_at_k == 1.0
+
+
+class OpenEnvironments:
+    """Makes magic word games and counts how many are open, now and at most."""
+
+    def __init__(self):
+        self.now = self.most = 0
+
+    def __call__(self, task):
+        counter = self
+
+        class Counted(MagicWordEnv):
+            def close(self):
+                counter.now -= 1
+
+        self.now += 1
+        self.most = max(self.most, self.now)
+        return Counted()
+
+
+def test_an_evaluation_opens_environments_a_few_batches_at_a_time():
+    """Episodes are started START_BATCHES batches at a time, so a long evaluation never holds
+    every environment open at once."""
+    tokenizer = tiny_tokenizer()
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    tasks = MagicWordEnv().tasks("test", "easy")[:20]
+    environments = OpenEnvironments()
+    evaluate(RecordsPrompts(tokenizer, chat), chat, {"magic:easy": tasks}, environments, config=ROLLOUT,
+             batch_episodes=2, show_progress=False)
+    assert environments.most == 2 * START_BATCHES < len(tasks)
+    assert environments.now == 0
+
+
+def test_a_failing_generation_closes_every_started_environment():
+    """An internal error propagates with its traceback, and the environments started for the
+    batches that never played are closed too."""
+    tokenizer = tiny_tokenizer()
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    backend = RecordsPrompts(tokenizer, chat)
+    played = backend.generate
+
+    def second_call_fails(prompts, params, seeds=None):
+        if backend.calls:
+            raise RuntimeError("backend bug")
+        return played(prompts, params, seeds)
+
+    backend.generate = second_call_fails
+    environments = OpenEnvironments()
+    with pytest.raises(RuntimeError, match="backend bug"):
+        evaluate(backend, chat, {"magic:easy": MagicWordEnv().tasks("test", "easy")[:6]}, environments,
+                 config=ROLLOUT, batch_episodes=2, show_progress=False)
+    assert environments.most == 6 and environments.now == 0

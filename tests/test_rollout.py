@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contrail.agent import ChatFormat, Generation, HFBackend, RolloutConfig, SamplingParams, rollout
+from contrail.agent import (
+    ChatFormat,
+    Generation,
+    HFBackend,
+    RolloutConfig,
+    SamplingParams,
+    play,
+    rollout,
+    start_episodes,
+)
 from contrail.envs.base import Step, Task
 from contrail.testing import MagicWordEnv, tiny_model
 
@@ -539,3 +548,22 @@ def test_a_turn_s_parked_pieces_are_joined_only_when_a_next_turn_extends_them(to
     read.clear()
     backend.generate([p + g.ids + chat.user_turn_ids("again") for p, g in zip(prompts, first)], params)
     assert max(reads_of(pieces)) > 1  # the next turn read the first's parked pieces
+
+
+def test_started_episodes_play_as_a_rollout_plays_them_and_seeds_are_all_or_none(tokenizer, chat, random_policy):
+    """`rollout` is `start_episodes` then `play`: the same seeded episodes either way; a batch mixing
+    seeded and unseeded episodes is refused (an unseeded one has no stream to draw from)."""
+    _, backend = random_policy
+    tasks = easy_tasks(3)
+    config = RolloutConfig(max_new_tokens=4, max_episode_tokens=256)
+    whole = rollout(backend, chat, tasks, lambda t: MagicWordEnv(), config, seeds=[1, 2, 3])
+    started = start_episodes(tasks, lambda t: MagicWordEnv(), chat, config, seeds=[1, 2, 3])
+    openings = [list(e.trajectory.ids) for e in started]
+    assert all(e.trajectory.turns == 0 and not any(e.trajectory.mask) for e in started)  # nothing generated yet
+    assert all(t.ids[:len(opening)] == opening for t, opening in zip(whole, openings))
+    parts = play(backend, chat, started, config)
+    assert [t.ids for t in parts] == [t.ids for t in whole]
+    mixed = (start_episodes(tasks[:1], lambda t: MagicWordEnv(), chat, config, seeds=[1])
+             + start_episodes(tasks[1:2], lambda t: MagicWordEnv(), chat, config))
+    with pytest.raises(ValueError, match="some episodes were started with seeds and some without"):
+        play(backend, chat, mixed, config)

@@ -2,9 +2,17 @@
 
 from contrail.agent.backend import Backend, Generation, HFBackend, SamplingParams
 from contrail.agent.chat import ChatFormat, TemplateError
-from contrail.agent.rollout import RolloutConfig, Trajectory, rollout
+from contrail.agent.rollout import (
+    Episode,
+    RolloutConfig,
+    Trajectory,
+    close_unfinished,
+    play,
+    rollout,
+    start_episodes,
+)
 
 __all__ = [
-    "Backend", "ChatFormat", "Generation", "HFBackend", "RolloutConfig", "SamplingParams",
-    "TemplateError", "Trajectory", "rollout",
+    "Backend", "ChatFormat", "Episode", "Generation", "HFBackend", "RolloutConfig", "SamplingParams",
+    "TemplateError", "Trajectory", "close_unfinished", "play", "rollout", "start_episodes",
 ]

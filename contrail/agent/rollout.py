@@ -122,8 +122,14 @@ class Trajectory:
 
 
 @dataclass
-class _Episode:
-    """Mutable state of one live episode (``env`` is None when it could not be built)."""
+class Episode:
+    """One started episode: its environment and its trajectory so far (`start_episodes`; `play` ends it).
+
+    ``env`` is None when it could not be built. Right after the start,
+    ``trajectory.ids`` is the opening prompt (the environment's instructions
+    and first observation), so callers can group episodes by its length
+    before playing them (`contrail.evaluation`).
+    """
 
     env: Env | None
     trajectory: Trajectory
@@ -140,15 +146,23 @@ class _Episode:
 EnvFactory = Callable[[Task], Env]
 
 
-def _start_all(
-    tasks: list[Task], samples: list[int], make_env: EnvFactory, chat: ChatFormat, config: RolloutConfig
-) -> list[_Episode]:
-    """Build and reset one environment per task; a failure fails that episode only.
+def start_episodes(
+    tasks: list[Task], make_env: EnvFactory, chat: ChatFormat, config: RolloutConfig = RolloutConfig(),
+    samples: list[int] | None = None, seeds: list[int] | None = None,
+) -> list[Episode]:
+    """Build and reset one environment per task and record each opening prompt; a failure fails that episode only.
 
     Constructors run here in order (they are cheap: engines start at reset);
     the resets of ``concurrent_steps`` environments run in a thread pool.
+    ``samples`` and ``seeds`` are as in `rollout`. Nothing is generated:
+    `play` does that.
     """
+    if seeds is not None and len(seeds) != len(tasks):
+        raise ValueError(f"rollout: {len(seeds)} seeds for {len(tasks)} tasks")
+    samples = samples if samples is not None else [0] * len(tasks)
     episodes = [_open(task, sample, make_env) for task, sample in zip(tasks, samples)]
+    for episode, seed in zip(episodes, seeds or []):
+        episode.seed = seed
     openings: list[str | BaseException | None] = [None] * len(episodes)
     concurrent = [i for i, e in enumerate(episodes) if getattr(e.env, "concurrent_steps", False)]
     if len(concurrent) > 1:
@@ -163,9 +177,9 @@ def _start_all(
     return episodes
 
 
-def _open(task: Task, sample: int, make_env: EnvFactory) -> _Episode:
+def _open(task: Task, sample: int, make_env: EnvFactory) -> Episode:
     trajectory = Trajectory(task=task, ids=[], mask=[], logprobs=[], messages=[], sample=sample)
-    episode = _Episode(env=None, trajectory=trajectory)
+    episode = Episode(env=None, trajectory=trajectory)
     try:  # a broken environment fails this episode, not the batch
         episode.env = make_env(task)
     except Exception as error:
@@ -173,14 +187,14 @@ def _open(task: Task, sample: int, make_env: EnvFactory) -> _Episode:
     return episode
 
 
-def _first_observation(episode: _Episode, config: RolloutConfig) -> str | BaseException:
+def _first_observation(episode: Episode, config: RolloutConfig) -> str | BaseException:
     try:
         return _reset(episode.env, episode.trajectory.task, config.max_turns)
     except Exception as error:
         return error
 
 
-def _begin(episode: _Episode, opening: str | BaseException, chat: ChatFormat, config: RolloutConfig) -> None:
+def _begin(episode: Episode, opening: str | BaseException, chat: ChatFormat, config: RolloutConfig) -> None:
     """Record the prompt and the first observation (or the reset's failure)."""
     trajectory = episode.trajectory
     try:
@@ -209,7 +223,7 @@ def _reset(env: Env, task: Task, max_turns: int | None) -> str:
     return env.reset(task, turn_limit=max_turns)
 
 
-def _fail(episode: _Episode, error: BaseException) -> None:
+def _fail(episode: Episode, error: BaseException) -> None:
     episode.trajectory.error = f"{type(error).__name__}: {error}"
     episode.trajectory.reward = 0.0
     episode.trajectory.success = False
@@ -219,7 +233,7 @@ def _fail(episode: _Episode, error: BaseException) -> None:
     episode.trajectory.messages.append({"role": "error", "content": text})
 
 
-def _record_turn(episode: _Episode, generation, chat: ChatFormat) -> str:
+def _record_turn(episode: Episode, generation, chat: ChatFormat) -> str:
     """Append the sampled ids and the template's closing; return the turn's text."""
     traj = episode.trajectory
     episode.extend(generation.ids, 1, generation.logprobs)
@@ -239,7 +253,7 @@ def _env_step(env: Env, text: str) -> Step | BaseException:
         return error
 
 
-def _apply_step(episode: _Episode, step: Step | BaseException, chat: ChatFormat, config: RolloutConfig) -> None:
+def _apply_step(episode: Episode, step: Step | BaseException, chat: ChatFormat, config: RolloutConfig) -> None:
     """Record the environment's answer and append the next observation's ids."""
     traj = episode.trajectory
     if isinstance(step, BaseException):
@@ -262,7 +276,7 @@ def _apply_step(episode: _Episode, step: Step | BaseException, chat: ChatFormat,
     episode.extend(observation_ids, 0)
 
 
-def _step_all(live: list[_Episode], generations, chat: ChatFormat, config: RolloutConfig) -> None:
+def _step_all(live: list[Episode], generations, chat: ChatFormat, config: RolloutConfig) -> None:
     """Advance every live episode by its generation.
 
     Environments that declare ``concurrent_steps = True`` (remote servers,
@@ -294,7 +308,7 @@ def rollout(
     on_episode: Callable[[Trajectory], None] | None = None,
     seeds: list[int] | None = None,
 ) -> list[Trajectory]:
-    """Play one episode per entry of ``tasks`` (repeat a task for several samples).
+    """Play one episode per entry of ``tasks`` (repeat a task for several samples): `start_episodes`, then `play`.
 
     ``make_env(task)`` builds a fresh environment per episode; an exception
     there fails that episode (error recorded), like one from the environment
@@ -306,15 +320,30 @@ def rollout(
     (scripted actors, which read the environment, take no seeds).
     Returns trajectories in the order of ``tasks``.
     """
-    if seeds is not None and len(seeds) != len(tasks):
-        raise ValueError(f"rollout: {len(seeds)} seeds for {len(tasks)} tasks")
-    samples = samples if samples is not None else [0] * len(tasks)
+    episodes = start_episodes(tasks, make_env, chat, config, samples=samples, seeds=seeds)
+    return play(backend, chat, episodes, config, on_turn=on_turn, on_episode=on_episode)
+
+
+def play(
+    backend: Backend,
+    chat: ChatFormat,
+    episodes: list[Episode],
+    config: RolloutConfig = RolloutConfig(),
+    on_turn: Callable[[int, int], None] | None = None,
+    on_episode: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
+    """Play started ``episodes`` (`start_episodes`) to their ends, all live ones in one generation per turn.
+
+    ``on_turn`` and ``on_episode`` are as in `rollout`. Returns the
+    trajectories in the order of ``episodes``, which must have been started
+    with seeds for all or for none.
+    """
+    seeded = any(e.seed is not None for e in episodes)
+    if seeded and any(e.seed is None for e in episodes):
+        raise ValueError("play: some episodes were started with seeds and some without")
     reset_cache = getattr(backend, "reset_cache", None)
     if reset_cache:
         reset_cache()  # a kept KV cache belongs to other episodes (and maybe older weights)
-    episodes = _start_all(tasks, samples, make_env, chat, config)
-    for episode, seed in zip(episodes, seeds or []):
-        episode.seed = seed
     _finish_done(episodes, on_episode)  # failed to start or over the token limit at once
     params = config.sampling()
     while True:
@@ -324,7 +353,7 @@ def rollout(
         prompts = [e.trajectory.ids for e in live]
         if getattr(backend, "reads_envs", False):  # scripted actors (expert, random) look at the state
             generations = backend.generate(prompts, params, envs=[e.env for e in live])
-        elif seeds is not None:
+        elif seeded:
             turn_seeds = [derive_seed(e.seed, "turn", e.trajectory.turns) for e in live]
             generations = backend.generate(prompts, params, seeds=turn_seeds)
         else:
@@ -338,7 +367,14 @@ def rollout(
     return [e.trajectory for e in episodes]
 
 
-def _finish_done(episodes: list[_Episode], on_episode: Callable[[Trajectory], None] | None) -> None:
+def close_unfinished(episodes: list[Episode]) -> None:
+    """Close the environments of ``episodes`` that have not ended (a caller interrupted before `play` ended them)."""
+    for episode in episodes:
+        if not episode.done:
+            _close(episode)
+
+
+def _finish_done(episodes: list[Episode], on_episode: Callable[[Trajectory], None] | None) -> None:
     """Close every episode of ``episodes`` that has ended, and report it."""
     for episode in episodes:
         if episode.done:
@@ -347,7 +383,7 @@ def _finish_done(episodes: list[_Episode], on_episode: Callable[[Trajectory], No
                 on_episode(episode.trajectory)
 
 
-def _close(episode: _Episode) -> None:
+def _close(episode: Episode) -> None:
     if episode.env is None:
         return
     try:
