@@ -92,7 +92,7 @@ def episode_seed(seed: int, task: Task, sample: int) -> int:
     return derive_seed(seed, task.env, task.id, sample)
 
 
-# Episodes are started this many batches at a time and batched by opening length within them
+# Episodes are started up to this many batches at a time and batched by opening length within them
 # (`evaluate`): more gives closer lengths in each batch, at the cost of that many live environments.
 START_BATCHES = 4
 
@@ -145,7 +145,9 @@ def evaluate(
 
     Episodes are started (environments built and reset) ``START_BATCHES``
     batches at a time, experiences interleaved, and played in batches of
-    ``batch_episodes`` with similar opening lengths (`_by_opening_length`).
+    ``batch_episodes`` with similar opening lengths (`_by_opening_length`);
+    environments that are not `Env.cheap_to_hold` (ALFWorld) are started a
+    batch at a time.
     When ``trajectories_path`` is given, every episode is appended there as
     one readable JSON line (the conversation and its outcome, and the
     ``"experience"`` it was played for: a task may belong to two test
@@ -162,27 +164,49 @@ def evaluate(
     sink = open(trajectories_path, "a", encoding="utf-8") if trajectories_path else None
     try:
         with EpisodeProgress(len(jobs), description, enabled=show_progress) as progress:
-            for start in range(0, len(jobs), window):
-                started = _start(jobs[start:start + window], make_env, chat, config, seed)
-                try:
-                    for batch in _by_opening_length(started, batch_episodes):
-                        play(backend, chat, batch, config, on_turn=progress.turn_done,
-                             on_episode=lambda traj: progress.episode_done(traj.success))
-                finally:
-                    close_unfinished(started)  # after an error, the window's other environments too
+            start = 0
+            while start < len(jobs):
+                started = _start_ahead(jobs[start:start + window], batch_episodes, make_env, chat, config, seed)
+                _play_by_opening_length(backend, chat, started, batch_episodes, config, progress)
                 # Kept in job order: only the job knows which experience an episode is for.
-                for (name, _, _), episode in zip(jobs[start:start + window], started, strict=True):
+                for (name, _, _), episode in zip(jobs[start:start + len(started)], started, strict=True):
                     results[name].append(episode.trajectory)
                     if sink:
                         sink.write(json.dumps({**episode.trajectory.to_record(), "experience": name}) + "\n")
                 if sink:
                     sink.flush()
+                start += len(started)
     finally:
         if sink:
             sink.close()
     if episodes is not None:
         episodes.update(results)
     return {name: summarize(trajs, k) for name, trajs in results.items()}
+
+
+def _play_by_opening_length(backend: Backend, chat: ChatFormat, started: list[Episode], batch_episodes: int,
+                            config: RolloutConfig, progress: EpisodeProgress) -> None:
+    """Play ``started`` in batches of similar opening length; after an error, close every one still open."""
+    try:
+        for batch in _by_opening_length(started, batch_episodes):
+            play(backend, chat, batch, config, on_turn=progress.turn_done,
+                 on_episode=lambda traj: progress.episode_done(traj.success))
+    finally:
+        close_unfinished(started)
+
+
+def _start_ahead(jobs: list[tuple[str, Task, int]], batch_episodes: int, make_env: Callable[[Task], Env],
+                 chat: ChatFormat, config: RolloutConfig, seed: int | None) -> list[Episode]:
+    """Start the episodes of ``jobs`` (up to ``START_BATCHES`` batches), or of its first batch only.
+
+    The first batch's environments decide (experiences are interleaved, so
+    it holds each of them): when any is not `Env.cheap_to_hold`, nothing is
+    started ahead of its batch.
+    """
+    started = _start(jobs[:batch_episodes], make_env, chat, config, seed)
+    if all(getattr(episode.env, "cheap_to_hold", True) for episode in started):
+        started += _start(jobs[batch_episodes:], make_env, chat, config, seed)
+    return started
 
 
 def _start(jobs: list[tuple[str, Task, int]], make_env: Callable[[Task], Env], chat: ChatFormat,

@@ -186,13 +186,16 @@ def test_episodes_are_batched_by_opening_length_and_reported_in_task_order(tmp_p
 class OpenEnvironments:
     """Makes magic word games and counts how many are open, now and at most."""
 
-    def __init__(self):
+    def __init__(self, cheap_to_hold=True):
         self.now = self.most = 0
+        self.cheap_to_hold = cheap_to_hold
 
     def __call__(self, task):
         counter = self
 
         class Counted(MagicWordEnv):
+            cheap_to_hold = self.cheap_to_hold
+
             def close(self):
                 counter.now -= 1
 
@@ -212,6 +215,17 @@ def test_an_evaluation_opens_environments_a_few_batches_at_a_time():
              batch_episodes=2, show_progress=False)
     assert environments.most == 2 * START_BATCHES < len(tasks)
     assert environments.now == 0
+
+
+def test_environments_that_are_dear_to_hold_are_opened_a_batch_at_a_time():
+    """ALFWorld's episodes each hold a planner library for the process's life: none is started
+    ahead of its batch."""
+    tokenizer = tiny_tokenizer()
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    environments = OpenEnvironments(cheap_to_hold=False)
+    evaluate(RecordsPrompts(tokenizer, chat), chat, {"magic:easy": MagicWordEnv().tasks("test", "easy")[:20]},
+             environments, config=ROLLOUT, batch_episodes=2, show_progress=False)
+    assert environments.most == 2 and environments.now == 0
 
 
 def test_a_failing_generation_closes_every_started_environment():

@@ -109,6 +109,10 @@ class Env(ABC):
     difficulties: ClassVar[tuple[str, ...]] = ()
     default_max_turns: ClassVar[int] = 30
     acknowledgement: ClassVar[str] = "OK. I'll follow your instructions and try my best to solve the task."
+    # Whether an episode may wait, reset but not yet played, at little cost: evaluation starts a few
+    # batches' episodes ahead to batch them by opening length (`contrail.evaluation`). An environment
+    # whose every live episode holds a scarce resource (ALFWorld: a planner library) says False.
+    cheap_to_hold: ClassVar[bool] = True
 
     # Episode state, owned by `reset`/`step` (class defaults: valid before the first reset).
     task: Task | None = None

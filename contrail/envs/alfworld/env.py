@@ -250,6 +250,7 @@ class ALFWorldEnv(Env):
     name = "alfworld"
     difficulties = ("easy", "hard")
     default_max_turns = 30
+    cheap_to_hold = False  # each live episode holds a pooled engine and its 33 MB library (`engine`)
 
     def __init__(
         self,
