@@ -22,6 +22,11 @@
     the HF backend's ``park_stopped`` on and off, in alternating rounds on
     one loaded model: the same seeded episodes either way, so the ratio is
     what parking stopped rows saves.
+(g) ``--evaluation-order``: an experiment's whole evaluation (every test
+    task, its ``eval.batch_episodes``), batched by opening length
+    (contrail's default) against batches in task order, in alternating
+    rounds on one loaded model. Each episode draws its own seeded numbers,
+    so only rounding in differently shaped batches can part their episodes.
 
     python bench/rollout.py --quick                       # embedded SmolLM2-135M, a few minutes on 2 cores
     python bench/rollout.py --model tiny                  # random 2-layer model: overheads only
@@ -31,6 +36,8 @@
     python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
         --eval-episodes 64 --repeats 2                    # (e) parking stopped rows, on and off, alternating
     python bench/rollout.py --prefill-attention           # (f) a turn's prefill attention, row spans vs SDPA
+    python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
+        --evaluation-order                                # (g) batches by opening length vs task order
 """
 
 from __future__ import annotations
@@ -76,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run (d) only: the HF backend's CPU decoding against its plain path")
     parser.add_argument("--evaluation", default=None, metavar="EXPERIMENT",
                         help="run (e) only: EXPERIMENT's evaluation batch with stopped rows parked and not")
+    parser.add_argument("--evaluation-order", action="store_true",
+                        help="with --evaluation, run (g) instead of (e): batches by opening length vs task order")
     parser.add_argument("--prefill-attention", action="store_true",
                         help="run (f) only: a prefill's attention, row spans against SDPA's kernel")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -386,6 +395,45 @@ def parking(policy, args, out) -> dict:
     return {"episodes": episodes, "tokens": tokens, "seconds": seconds, "ratio": ratio, "same_episodes": same}
 
 
+# --- (g) evaluation batches by opening length ---------------------------------------------------
+
+
+def evaluation_order(policy, args, out) -> dict:
+    """An experiment's whole evaluation, batched by opening length and in task order, alternating rounds."""
+    from contrail.evaluation import evaluate
+    from contrail.experiment import build_stream, load_experiment
+    from contrail.precision import resolve_precision
+    from contrail.seeds import derive_seed
+    from contrail.stream import env_factory
+
+    experiment = load_experiment(args.evaluation)
+    stream = build_stream(experiment)
+    tasks = {e.name: e.test_tasks for e in stream.test}
+    bf16 = resolve_precision(experiment.grpo.precision, next(policy.model.parameters()).device) == "bf16"
+    batch = experiment.eval.batch_episodes
+    seconds: dict[str, list[float]] = {"task order": [], "by opening length": []}
+    scores: dict[str, dict[str, float]] = {}
+    for _ in range(args.repeats):
+        for label, by_length in (("task order", False), ("by opening length", True)):
+            backend = HFBackend(policy.model, policy.chat.stop_ids, policy.tokenizer.pad_token_id,
+                                autocast_bf16=bf16, max_batch_size=batch)
+            start = time.perf_counter()
+            results = evaluate(backend, policy.chat, tasks, env_factory(stream.experiences), k=experiment.eval.k,
+                               config=experiment.eval_rollout, batch_episodes=batch, show_progress=False,
+                               seed=derive_seed(experiment.seed, "eval"), by_opening_length=by_length)
+            seconds[label].append(time.perf_counter() - start)
+            scores[label] = {name: result.avg_at_k for name, result in results.items()}
+    ratio = median(seconds["by opening length"]) / median(seconds["task order"])
+    episodes = sum(len(t) for t in tasks.values()) * experiment.eval.k
+    rows = [[label, " / ".join(fmt(s, 1) for s in seconds[label]),
+             ", ".join(f"{name} {score:.3f}" for name, score in scores[label].items())] for label in seconds]
+    out.print(table(f"(g) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
+                    f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
+                    f"by opening length / task order: {fmt(ratio, 2)}x (medians)",
+                    ["batches", "seconds", "avg@k"], rows))
+    return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "ratio": ratio, "avg_at_k": scores}
+
+
 # --- (f) a turn's prefill attention ---------------------------------------------------------------
 
 # (rows, new tokens, keys, most left padding): extends of the quickstart's evaluation (SmolLM2-135M, 2-core EPYC)
@@ -476,6 +524,10 @@ def main(argv=None) -> None:
     report = {"machine": info, "args": vars(args)}
     if args.vllm:
         report["vllm_vs_hf"] = vllm_vs_hf(policy, args, out)
+        write_json(args.json, report)
+        return
+    if args.evaluation and args.evaluation_order:
+        report["evaluation_order"] = evaluation_order(policy, args, out)
         write_json(args.json, report)
         return
     if args.evaluation:

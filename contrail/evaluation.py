@@ -133,6 +133,7 @@ def evaluate(
     show_progress: bool = True,
     episodes: dict[str, list[Trajectory]] | None = None,
     seed: int | None = None,
+    by_opening_length: bool = True,
 ) -> dict[str, EvalResult]:
     """Play every task of every experience ``k`` times; return results keyed by experience name.
 
@@ -147,7 +148,8 @@ def evaluate(
     batches at a time, experiences interleaved, and played in batches of
     ``batch_episodes`` with similar opening lengths (`_by_opening_length`);
     environments that are not `Env.cheap_to_hold` (ALFWorld) are started a
-    batch at a time.
+    batch at a time. ``by_opening_length=False`` plays them in batches in job
+    order instead (session 22's evaluation; ``bench/rollout.py --evaluation-order``).
     When ``trajectories_path`` is given, every episode is appended there as
     one readable JSON line (the conversation and its outcome, and the
     ``"experience"`` it was played for: a task may belong to two test
@@ -167,7 +169,7 @@ def evaluate(
             start = 0
             while start < len(jobs):
                 started = _start_ahead(jobs[start:start + window], batch_episodes, make_env, chat, config, seed)
-                _play_by_opening_length(backend, chat, started, batch_episodes, config, progress)
+                _play_in_batches(backend, chat, started, batch_episodes, config, progress, by_opening_length)
                 # Kept in job order: only the job knows which experience an episode is for.
                 for (name, _, _), episode in zip(jobs[start:start + len(started)], started, strict=True):
                     results[name].append(episode.trajectory)
@@ -184,11 +186,15 @@ def evaluate(
     return {name: summarize(trajs, k) for name, trajs in results.items()}
 
 
-def _play_by_opening_length(backend: Backend, chat: ChatFormat, started: list[Episode], batch_episodes: int,
-                            config: RolloutConfig, progress: EpisodeProgress) -> None:
-    """Play ``started`` in batches of similar opening length; after an error, close every one still open."""
+def _play_in_batches(backend: Backend, chat: ChatFormat, started: list[Episode], batch_episodes: int,
+                     config: RolloutConfig, progress: EpisodeProgress, by_opening_length: bool) -> None:
+    """Play ``started`` in batches (of similar opening length, or in order); after an error, close all still open."""
+    if by_opening_length:
+        batches = _by_opening_length(started, batch_episodes)
+    else:
+        batches = [started[start:start + batch_episodes] for start in range(0, len(started), batch_episodes)]
     try:
-        for batch in _by_opening_length(started, batch_episodes):
+        for batch in batches:
             play(backend, chat, batch, config, on_turn=progress.turn_done,
                  on_episode=lambda traj: progress.episode_done(traj.success))
     finally:

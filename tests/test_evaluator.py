@@ -181,6 +181,10 @@ def test_episodes_are_batched_by_opening_length_and_reported_in_task_order(tmp_p
     written = [json.loads(line)["task"]["id"] for line in path.read_text().splitlines()]
     assert written == [t.id for t in tasks]
     assert results["magic:easy"].avg_at_k == 1.0
+    in_order = RecordsPrompts(tokenizer, chat)
+    evaluate(in_order, chat, {"magic:easy": tasks}, lambda task: LongOpenings(), config=ROLLOUT, batch_episodes=4,
+             show_progress=False, seed=0, by_opening_length=False)
+    assert all(len(set(lengths)) == 2 for lengths in in_order.calls)  # task order mixes them
 
 
 class OpenEnvironments:
