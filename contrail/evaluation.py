@@ -148,8 +148,8 @@ def evaluate(
     batches at a time, experiences interleaved, and played in batches of
     ``batch_episodes`` with similar opening lengths (`_by_opening_length`);
     environments that are not `Env.cheap_to_hold` (ALFWorld) are started a
-    batch at a time. ``by_opening_length=False`` plays them in batches in job
-    order instead (session 22's evaluation; ``bench/rollout.py --evaluation-order``).
+    batch at a time. ``by_opening_length=False`` plays them in batches in task
+    order instead, for comparison (``bench/rollout.py --evaluation-order``).
     When ``trajectories_path`` is given, every episode is appended there as
     one readable JSON line (the conversation and its outcome, and the
     ``"experience"`` it was played for: a task may belong to two test
