@@ -211,7 +211,11 @@ def _start_ahead(jobs: list[tuple[str, Task, int]], batch_episodes: int, make_en
     """
     started = _start(jobs[:batch_episodes], make_env, chat, config, seed)
     if all(getattr(episode.env, "cheap_to_hold", True) for episode in started):
-        started += _start(jobs[batch_episodes:], make_env, chat, config, seed)
+        try:
+            started += _start(jobs[batch_episodes:], make_env, chat, config, seed)
+        except BaseException:  # an interrupt while starting the rest: the first batch is not left open
+            close_unfinished(started)
+            raise
     return started
 
 

@@ -251,3 +251,20 @@ def test_a_failing_generation_closes_every_started_environment():
         evaluate(backend, chat, {"magic:easy": MagicWordEnv().tasks("test", "easy")[:6]}, environments,
                  config=ROLLOUT, batch_episodes=2, show_progress=False)
     assert environments.most == 6 and environments.now == 0
+
+
+def test_an_interrupt_while_starting_ahead_closes_the_environments_already_started():
+    """Ctrl-C while the episodes after the first batch start: the first batch's environments are closed too."""
+    tokenizer = tiny_tokenizer()
+    chat = ChatFormat.from_tokenizer(tokenizer)
+    environments = OpenEnvironments()
+
+    def interrupted_at_the_third(task):
+        if environments.most == 2:
+            raise KeyboardInterrupt
+        return environments(task)
+
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(RecordsPrompts(tokenizer, chat), chat, {"magic:easy": MagicWordEnv().tasks("test", "easy")[:6]},
+                 interrupted_at_the_third, config=ROLLOUT, batch_episodes=2, show_progress=False)
+    assert environments.most == 2 and environments.now == 0
