@@ -109,15 +109,16 @@ def _interleave(experiences: dict[str, list[Task]], k: int) -> list[tuple[str, T
     return [(name, task, sample) for sample, _, _, name, task in sorted(jobs, key=lambda job: job[:3])]
 
 
-def _by_opening_length(episodes: list[Episode], batch_episodes: int) -> list[list[Episode]]:
-    """``episodes`` in batches of ``batch_episodes``, shortest opening prompts first.
+def _batches(episodes: list[Episode], batch_episodes: int, by_opening_length: bool) -> list[list[Episode]]:
+    """``episodes`` in batches of ``batch_episodes``: shortest opening prompts first, or in their order.
 
     A batch is left-padded to its longest prompt, and every decode step of
     every turn reads that padding in the KV cache; BabyAI's openings alone
     run from about 380 to 780 tokens. Ties keep their order (round-robin).
     """
-    ordered = sorted(episodes, key=lambda episode: len(episode.trajectory.ids))
-    return [ordered[start:start + batch_episodes] for start in range(0, len(ordered), batch_episodes)]
+    if by_opening_length:
+        episodes = sorted(episodes, key=lambda episode: len(episode.trajectory.ids))
+    return [episodes[start:start + batch_episodes] for start in range(0, len(episodes), batch_episodes)]
 
 
 def evaluate(
@@ -146,7 +147,7 @@ def evaluate(
 
     Episodes are started (environments built and reset) ``START_BATCHES``
     batches at a time, experiences interleaved, and played in batches of
-    ``batch_episodes`` with similar opening lengths (`_by_opening_length`);
+    ``batch_episodes`` with similar opening lengths (`_batches`);
     environments that are not `Env.cheap_to_hold` (ALFWorld) are started a
     batch at a time. ``by_opening_length=False`` plays them in batches in task
     order instead, for comparison (``bench/rollout.py --evaluation-order``).
@@ -189,12 +190,8 @@ def evaluate(
 def _play_in_batches(backend: Backend, chat: ChatFormat, started: list[Episode], batch_episodes: int,
                      config: RolloutConfig, progress: EpisodeProgress, by_opening_length: bool) -> None:
     """Play ``started`` in batches (of similar opening length, or in order); after an error, close all still open."""
-    if by_opening_length:
-        batches = _by_opening_length(started, batch_episodes)
-    else:
-        batches = [started[start:start + batch_episodes] for start in range(0, len(started), batch_episodes)]
     try:
-        for batch in batches:
+        for batch in _batches(started, batch_episodes, by_opening_length):
             play(backend, chat, batch, config, on_turn=progress.turn_done,
                  on_episode=lambda traj: progress.episode_done(traj.success))
     finally:

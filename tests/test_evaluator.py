@@ -145,6 +145,11 @@ def test_an_evaluation_batch_beyond_64_episodes_keeps_its_kv_cache_across_turns(
     assert sum(width >= instructions for width in widths) == 1  # never prefilled again
 
 
+@pytest.fixture(scope="module")
+def chat(tokenizer):  # tokenizer: the tiny one of tests/conftest.py
+    return ChatFormat.from_tokenizer(tokenizer)
+
+
 class LongOpenings(MagicWordEnv):
     """The magic word game whose opening question is longer for every other easy task."""
 
@@ -164,11 +169,9 @@ class RecordsPrompts:
         return [Generation(list(self.reply), [-0.5] * len(self.reply), stopped=True) for _ in prompts]
 
 
-def test_episodes_are_batched_by_opening_length_and_reported_in_task_order(tmp_path):
+def test_episodes_are_batched_by_opening_length_and_reported_in_task_order(tokenizer, chat, tmp_path):
     """A batch is left-padded to its longest prompt, so short and long openings play in separate
     batches; results and the trajectories file still follow the tasks' order."""
-    tokenizer = tiny_tokenizer()
-    chat = ChatFormat.from_tokenizer(tokenizer)
     tasks = MagicWordEnv().tasks("test", "easy")[:8]  # openings alternate short, long
     backend = RecordsPrompts(tokenizer, chat)
     played: dict = {}
@@ -192,27 +195,24 @@ class OpenEnvironments:
 
     def __init__(self, cheap_to_hold=True):
         self.now = self.most = 0
-        self.cheap_to_hold = cheap_to_hold
-
-    def __call__(self, task):
         counter = self
 
         class Counted(MagicWordEnv):
-            cheap_to_hold = self.cheap_to_hold
-
             def close(self):
                 counter.now -= 1
 
+        Counted.cheap_to_hold = cheap_to_hold
+        self.environment = Counted
+
+    def __call__(self, task):
         self.now += 1
         self.most = max(self.most, self.now)
-        return Counted()
+        return self.environment()
 
 
-def test_an_evaluation_opens_environments_a_few_batches_at_a_time():
+def test_an_evaluation_opens_environments_a_few_batches_at_a_time(tokenizer, chat):
     """Episodes are started START_BATCHES batches at a time, so a long evaluation never holds
     every environment open at once."""
-    tokenizer = tiny_tokenizer()
-    chat = ChatFormat.from_tokenizer(tokenizer)
     tasks = MagicWordEnv().tasks("test", "easy")[:20]
     environments = OpenEnvironments()
     evaluate(RecordsPrompts(tokenizer, chat), chat, {"magic:easy": tasks}, environments, config=ROLLOUT,
@@ -221,22 +221,18 @@ def test_an_evaluation_opens_environments_a_few_batches_at_a_time():
     assert environments.now == 0
 
 
-def test_environments_that_are_dear_to_hold_are_opened_a_batch_at_a_time():
+def test_environments_that_are_dear_to_hold_are_opened_a_batch_at_a_time(tokenizer, chat):
     """ALFWorld's episodes each hold a planner library for the process's life: none is started
     ahead of its batch."""
-    tokenizer = tiny_tokenizer()
-    chat = ChatFormat.from_tokenizer(tokenizer)
     environments = OpenEnvironments(cheap_to_hold=False)
     evaluate(RecordsPrompts(tokenizer, chat), chat, {"magic:easy": MagicWordEnv().tasks("test", "easy")[:20]},
              environments, config=ROLLOUT, batch_episodes=2, show_progress=False)
     assert environments.most == 2 and environments.now == 0
 
 
-def test_a_failing_generation_closes_every_started_environment():
+def test_a_failing_generation_closes_every_started_environment(tokenizer, chat):
     """An internal error propagates with its traceback, and the environments started for the
     batches that never played are closed too."""
-    tokenizer = tiny_tokenizer()
-    chat = ChatFormat.from_tokenizer(tokenizer)
     backend = RecordsPrompts(tokenizer, chat)
     played = backend.generate
 
@@ -253,10 +249,8 @@ def test_a_failing_generation_closes_every_started_environment():
     assert environments.most == 6 and environments.now == 0
 
 
-def test_an_interrupt_while_starting_ahead_closes_the_environments_already_started():
+def test_an_interrupt_while_starting_ahead_closes_the_environments_already_started(tokenizer, chat):
     """Ctrl-C while the episodes after the first batch start: the first batch's environments are closed too."""
-    tokenizer = tiny_tokenizer()
-    chat = ChatFormat.from_tokenizer(tokenizer)
     environments = OpenEnvironments()
 
     def interrupted_at_the_third(task):
