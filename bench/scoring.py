@@ -16,6 +16,11 @@
     their input as it comes, against a plain ``torch.autocast``, where PEFT
     casts a bf16 input up to the adapter's fp32 first (autocast then casts it
     back), in alternating rounds.
+(d) The log-softmax's rows per chunk (`contrail.train.logprobs`): forward
+    and backward of ``logprobs_and_entropy`` over ``--lsm-rows`` bf16 rows of
+    the model's vocabulary, for each of ``--chunk-sizes``, in alternating
+    rounds, and whether every chunk size gave the same bits (each row is
+    computed alone, so it must).
 
     python bench/scoring.py --quick            # SmolLM2-135M, 2 micro-batches of 5 rows, 3 rounds
     python bench/scoring.py --model tiny       # overheads only
@@ -103,6 +108,8 @@ def main() -> None:
     parser.add_argument("--observation", type=int, default=110, help="observation ids between turns")
     parser.add_argument("--rounds", type=int, default=3, help="alternating before/after rounds")
     parser.add_argument("--matmul-size", type=int, default=1024, help="(a): square size (bf16 may be emulated: slow)")
+    parser.add_argument("--lsm-rows", type=int, default=2400, help="(d): scored rows (a micro-batch's worth)")
+    parser.add_argument("--chunk-sizes", default="4,8,16,32", help="(d): rows per chunk, comma-separated")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
@@ -140,9 +147,11 @@ def main() -> None:
         f"{sampled} sampled of {scored} scored tokens", ["LM head at", "seconds per round", "median"], rows))
     console.print(f"sampled only / every position: [bold]{after / before:.2f}x[/]")
     uncast = adapter_inputs(args, batches, console) if resolved == "bf16" else None
+    chunks = chunk_sizes(args, vocab, console)
     common.write_json(args.json, {"machine": info, "matmul_gflops": {"fp32": fp32 / 1e9, "bf16": bf16 / 1e9},
                                   "precision": resolved, "seconds": times, "ratio": after / before,
-                                  "sampled_tokens": sampled, "scored_tokens": scored, "adapter_inputs": uncast})
+                                  "sampled_tokens": sampled, "scored_tokens": scored, "adapter_inputs": uncast,
+                                  "chunk_sizes": chunks})
 
 
 def adapter_inputs(args, batches, console) -> dict:
@@ -170,6 +179,38 @@ def adapter_inputs(args, batches, console) -> dict:
     ratio = common.median(times["trainer's autocast"]) / common.median(times["torch.autocast"])
     console.print(f"trainer's autocast (input uncast) / torch.autocast (PEFT's cast): [bold]{ratio:.2f}x[/]")
     return {"seconds": times, "ratio": ratio}
+
+
+def chunk_sizes(args, vocab: int, console) -> dict:
+    """(d): the log-softmax's forward and backward per rows-per-chunk, alternating; and whether the bits agree."""
+    from contrail.train.logprobs import DEFAULT_CHUNK_SIZE, logprobs_and_entropy
+
+    sizes = [int(size) for size in args.chunk_sizes.split(",")]
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(args.lsm_rows, vocab, generator=generator) * 3).to(torch.bfloat16).requires_grad_(True)
+    targets = torch.randint(0, vocab, (args.lsm_rows,), generator=generator)
+    weights = torch.rand(2, args.lsm_rows, generator=generator)  # the loss's weights on log-probs and entropies
+
+    def scored(size: int) -> tuple[torch.Tensor, ...]:
+        logprobs, entropies = logprobs_and_entropy(logits, targets, chunk_size=size)
+        (logprobs * weights[0] + entropies * weights[1]).sum().backward()
+        grad, logits.grad = logits.grad, None
+        return logprobs.detach(), entropies.detach(), grad
+
+    results = {size: scored(size) for size in sizes}  # warm-up, and the outputs compared below
+    times: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(args.rounds):
+        for size in sizes:
+            times[size].append(common.timed(lambda size=size: scored(size))[0])
+    reference = common.median(times[sizes[-1]])
+    same = all(all(torch.equal(a, b) for a, b in zip(results[sizes[0]], results[size])) for size in sizes)
+    rows = [[str(size) + (" (default)" if size == DEFAULT_CHUNK_SIZE else ""),
+             " / ".join(common.fmt(t, 3) for t in times[size]), common.fmt(common.median(times[size]), 3),
+             common.fmt(common.median(times[size]) / reference, 2)] for size in sizes]
+    console.print(common.table(f"(d) log-softmax with entropy, forward + backward, {args.lsm_rows} bf16 rows x {vocab}",
+                               ["rows per chunk", "seconds per round", "median", f"/ {sizes[-1]} rows"], rows))
+    console.print(f"same log-probs, entropies and gradients at every chunk size: [bold]{'yes' if same else 'NO'}[/]")
+    return {"seconds": {str(size): values for size, values in times.items()}, "same_bits": same}
 
 
 if __name__ == "__main__":

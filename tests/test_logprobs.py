@@ -112,6 +112,20 @@ def test_bf16_upcasts_to_fp32():
     torch.testing.assert_close(mine.grad.float(), ref.grad.float(), rtol=1e-2, atol=1e-3)
 
 
+
+def test_chunk_size_changes_no_bit():
+    """Each row is computed alone, so the default chunk size is a speed choice only (bench/scoring.py (d))."""
+    logits, targets = random_batch(shape=(37,), vocab=3000, scale=5.0)
+    weights = torch.rand(2, 37, generator=torch.Generator().manual_seed(1))
+    results = []
+    for chunk_size in (1, 8, 32, 37):
+        low = logits.bfloat16().requires_grad_()
+        logprobs, entropies = logprobs_and_entropy(low, targets, chunk_size=chunk_size)
+        (logprobs * weights[0] + entropies * weights[1]).sum().backward()
+        results.append((logprobs.detach(), entropies.detach(), low.grad))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
 def test_banned_tokens_with_minus_inf_logits():
     logits = torch.tensor([[0.0, 0.0, float("-inf")]], requires_grad=True)
     out = selective_logprobs(logits, torch.tensor([0]))

@@ -27,12 +27,13 @@ from contrail.train import checkpointed_prefix
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "logprobs_and_entropy", "selective_logprobs", "sequence_logprobs", "token_entropy"]
 
-# Rows per chunk: 32 rows × 49k vocabulary × 4 bytes ≈ 6 MB of fp32 scratch. Small on purpose:
-# each chunk takes ~6 passes over its scratch, which then stays in cache, and a block under
-# glibc's 32 MB mmap threshold is reused from the heap instead of page-faulted in afresh.
-# With 512 rows (100 MB) the log-softmax's forward and backward over a micro-batch's 2,456
-# rows (SmolLM2's vocabulary, bf16) took 0.9-1.4 s; with 32, 0.29 s (2-core Xeon, session 17).
-DEFAULT_CHUNK_SIZE = 32
+# Rows per chunk: 8 rows × 49k vocabulary × 4 bytes ≈ 1.5 MB of fp32 scratch. Small on purpose:
+# each chunk takes ~6 passes over its scratch, which then stays in the core's cache. With 512 rows
+# (100 MB) the log-softmax's forward and backward over a micro-batch's 2,456 rows (SmolLM2's
+# vocabulary, bf16) took 0.9-1.4 s; with 32 (6 MB), 0.29 s (2-core Xeon, session 17). 8 rows fit
+# that Xeon's 2 MB of L2 per core: over 2,400 rows with the entropy, 0.87x the time of 32
+# (bench/scoring.py (d), session 24). Each row is computed alone, so the chunk size changes no bit.
+DEFAULT_CHUNK_SIZE = 8
 
 
 def selective_logprobs(
@@ -404,7 +405,7 @@ class _LogSoftmaxStats(torch.autograd.Function):
 def _scratch(logits: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
     """One chunk's worth of ``dtype`` rows, reused by every chunk of a pass.
 
-    A fresh 6 MB fp32 chunk per step of the loop (and one for its ``exp``)
+    A fresh fp32 chunk per step of the loop (and one for its ``exp``)
     cost an allocation each, and the memory's first touch: with one
     scratch for all, forward and backward with the entropy over 3,000
     bf16 rows took 0.54x as long (session 21, medians of 16 alternating
