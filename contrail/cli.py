@@ -488,7 +488,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p_run = sub.add_parser("run", help="run a continual experiment from YAML")
     p_run.add_argument("experiment", help="experiment YAML, e.g. experiments/quickstart.yaml")
-    p_run.add_argument("overrides", nargs="*", help="dotted overrides, e.g. grpo.lr=1e-6 strategy=replay")
+    p_run.add_argument("overrides", nargs="*",
+                       help="dotted overrides, e.g. grpo.lr=1e-6 strategy=replay (before or after the options)")
     p_run.add_argument("--dry-run", action="store_true", help="print the plan without loading a model")
     p_run.add_argument("--resume", action="store_true", help="continue interrupted runs after their last stage")
     p_run.add_argument("--force", action="store_true", help="overwrite finished or unfinished runs")
@@ -526,10 +527,29 @@ def user_errors() -> tuple[type[BaseException], ...]:
             UsageError)
 
 
+def parse_arguments(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed, a command's dotted overrides taken after its options too.
+
+    argparse gives a positional list only the words before the first option,
+    so ``contrail run X.yaml --force grpo.lr=1e-5`` would refuse
+    ``grpo.lr=1e-5`` as an unrecognized argument. Anything else left over is
+    still refused, as argparse does.
+    """
+    args, extra = parser.parse_known_args(argv)
+    takes_overrides = getattr(args, "overrides", None) is not None
+    overrides = [word for word in extra if takes_overrides and "=" in word and not word.startswith("-")]
+    refused = [word for word in extra if word not in overrides]
+    if refused:
+        parser.error(f"unrecognized arguments: {' '.join(refused)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the ``contrail`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_arguments(parser, argv)
     keep_freed_memory()  # reused blocks instead of fresh pages from the kernel (`contrail.allocator`)
     try:
         return args.handler(args)

@@ -142,6 +142,25 @@ def test_dry_run_prints_the_plan_and_writes_nothing(capsys, tmp_path):
     assert not (tmp_path / "q").exists()
 
 
+
+def test_overrides_may_follow_the_options(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "run", "experiments/quickstart.yaml", "--dry-run", f"out={tmp_path / 'q'}",
+                             "strategy=replay", "grpo.tasks_per_step=3")
+    assert code == 0, err
+    assert f"out {tmp_path / 'q'}, seed 0, strategy replay" in out
+    assert "6 steps × 3 tasks × group 4" in out
+    code, _, err = run_cli(capsys, "run", "experiments/quickstart.yaml", "--dry-run", "strategy=nonsense")
+    assert_one_line_error(code, err, "override 'strategy=nonsense': strategy: unknown strategy preset 'nonsense'")
+
+
+def test_words_after_the_options_that_are_not_overrides_are_refused(capsys):
+    code, _, err = run_cli(capsys, "run", "experiments/quickstart.yaml", "--dry-run", "strategy=replay", "--forse")
+    assert code == 2
+    assert "unrecognized arguments: --forse" in err
+    code, _, err = run_cli(capsys, "envs", "strategy=replay")
+    assert code == 2
+    assert "unrecognized arguments: strategy=replay" in err
+
 def test_preset_dir_is_searched_first(capsys, tmp_path):
     (tmp_path / "presets" / "streams").mkdir(parents=True)
     (tmp_path / "presets" / "streams" / "quickstart.yaml").write_text("train: [textcraft:easy]\ntest_tasks: 3\n")
