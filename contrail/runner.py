@@ -150,7 +150,9 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
                         yaml.safe_load(experiment.to_yaml()))
     if done >= 1:
         _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
-        console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}")
+    if done >= 0:  # checkpoints are per stage: an interrupted stage trains again, to the same result
+        console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}: "
+                      f"stage {done + 1} trains from its start")
     if processes.is_main_process:
         steps = trainer.step_count  # the checkpoint's steps; a resumed stage logs the rest again
         truncate_log(run_dir.path / GRPO_LOG,
