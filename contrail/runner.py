@@ -148,11 +148,8 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         console.print(f"GRPO and evaluation in {describe_precision(experiment.grpo.precision, device)}")
     tracking = Tracking(experiment.tracking, trainer.accelerator, run_dir.path, experiment.name,
                         yaml.safe_load(experiment.to_yaml()))
-    if done >= 1:
-        _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
-    if done >= 0:  # checkpoints are per stage: an interrupted stage trains again, to the same result
-        console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}: "
-                      f"stage {done + 1} trains from its start")
+    if done >= 0:
+        _resume(run_dir, done, len(stages), trainer, strategy, experiment, start_model)
     if processes.is_main_process:
         steps = trainer.step_count  # the checkpoint's steps; a resumed stage logs the rest again
         truncate_log(run_dir.path / GRPO_LOG,
@@ -502,6 +499,18 @@ def _train_summary(history: list[dict[str, float]]) -> dict[str, Any]:
 
 
 # --- resuming ----------------------------------------------------------------------------------
+
+
+def _resume(run_dir: RunDir, done: int, stage_count: int, trainer: GRPOTrainer, strategy: Strategy,
+            experiment: Experiment, start_model: str) -> None:
+    """Take up the checkpoint of stage ``done`` (none after row 0 alone) and say where the run goes on.
+
+    Checkpoints are per stage: a stage cut short trains again from its start, to the same result.
+    """
+    if done >= 1:
+        _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
+    console.print(f"resuming {run_dir.path} after stage {done} of {stage_count}: "
+                  f"stage {done + 1} trains from its start")
 
 
 def _read_plan(run_dir: RunDir) -> dict[str, Any] | None:
