@@ -491,7 +491,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("overrides", nargs="*",
                        help="dotted overrides, e.g. grpo.lr=1e-6 strategy=replay (before or after the options)")
     p_run.add_argument("--dry-run", action="store_true", help="print the plan without loading a model")
-    p_run.add_argument("--resume", action="store_true", help="continue interrupted runs after their last stage")
+    p_run.add_argument("--resume", action="store_true", help="continue interrupted runs from their last recorded stage")
     p_run.add_argument("--force", action="store_true", help="overwrite finished or unfinished runs")
     p_run.add_argument("--list", action="store_true",
                        help="print the runs (index, label, run directory) without loading a model")
