@@ -32,7 +32,8 @@
     the kernel's share of them (page faults), peak RSS.
 
 Every process runs as the ``contrail`` command does (`contrail.allocator`),
-the TRL worker of (b) included.
+except (b)'s TRL worker, which runs with the system's malloc as TRL's own
+users do (``--trl-malloc kept`` gives it contrail's).
 
     python bench/grpo_step.py --quick          # (a) + (b), a few minutes on 2 cores
     python bench/grpo_step.py --compare-model smollm2-135m --steps 3
@@ -97,6 +98,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="(b): bf16 = bf16 autocast over fp32 weights in both frameworks")
     parser.add_argument("--lora-r", type=int, default=0, help="(b): LoRA rank on all linear layers; 0 = full")
     parser.add_argument("--frameworks", default="contrail,trl", help="(b): which to run, comma-separated")
+    parser.add_argument("--trl-malloc", choices=("system", "kept"), default="system",
+                        help="(b): TRL's worker with the system's malloc (as TRL runs) or keeping freed memory "
+                             "as the contrail command does")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="(b): contrail checkpoints its update's activations (TRL's GRPOConfig does by default)")
     parser.add_argument("--experiment", default=None,
@@ -358,7 +362,8 @@ def contrail_worker(args) -> dict:
         steps.append({"step_s": s["step_seconds"], "rollout_s": s["rollout_seconds"], "update_s": s["update_seconds"],
                       "generated_tokens": s["generated_tokens"], "episode_tokens_mean": s["episode_tokens_mean"],
                       "turns_mean": s["turns_mean"], "updated": "skipped_update" not in s})
-    return {"steps": steps, "peak_rss_mb": peak_rss_mb()}
+    return {"steps": steps, "peak_rss_mb": peak_rss_mb(),
+            "malloc_keeps_freed_memory": keeps_freed_memory()}
 
 
 def trl_worker(args) -> dict:
@@ -455,7 +460,8 @@ def trl_worker(args) -> dict:
                       "generated_tokens": timings["generated_tokens"][i],
                       "episode_tokens_mean": timings["episode_tokens"][i], "turns_mean": timings["turns"][i],
                       "updated": True})
-    return {"steps": steps, "peak_rss_mb": peak_rss_mb()}
+    return {"steps": steps, "peak_rss_mb": peak_rss_mb(),
+            "malloc_keeps_freed_memory": keeps_freed_memory()}
 
 
 # contrail's loss aggregation -> TRL's loss_type with the same normalisation: "dapo" averages over
@@ -490,7 +496,9 @@ def contrail_vs_trl(args, out) -> dict:
     import trl
 
     quiet = {"TRL_EXPERIMENTAL_SILENCE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    results = {name: run_worker(args, name, quiet) for name in args.frameworks.split(",")}
+    system_malloc = {OPT_OUT: "system"} if args.trl_malloc == "system" else {}
+    environments = {"contrail": quiet, "trl": {**quiet, **system_malloc}}  # each as its own users run it
+    results = {name: run_worker(args, name, environments[name]) for name in args.frameworks.split(",")}
     rows = []
     for name, r in results.items():
         if "error" in r:
@@ -499,7 +507,7 @@ def contrail_vs_trl(args, out) -> dict:
         for number, s in enumerate(r["steps"], 1):
             rows.append([name, number, fmt(s["step_s"], 2), fmt(s["rollout_s"], 2), fmt(s["update_s"], 2),
                          int(s["generated_tokens"]), fmt(s["episode_tokens_mean"], 0), fmt(s["turns_mean"], 2),
-                         fmt(r["peak_rss_mb"], 0)])
+                         fmt(r["peak_rss_mb"], 0), "keeps freed" if r["malloc_keeps_freed_memory"] else "system"])
     out.print(table(
         f"(b) one GRPO step, contrail vs TRL {trl.__version__} (rollout_func, multi-turn): {args.compare_model}, "
         f"{args.env}, {args.tasks} tasks x group {args.group}, {args.max_turns} turns x {args.max_new_tokens} "
@@ -507,7 +515,7 @@ def contrail_vs_trl(args, out) -> dict:
         f"{args.aggregation}; activations checkpointed: contrail {'yes' if args.gradient_checkpointing else 'no'}, "
         "TRL yes (its default)",
         ["framework", "step", "step s", "rollout s", "update s", "generated tokens", "tokens/episode", "turns/episode",
-         "peak RSS MiB"], rows))
+         "peak RSS MiB", "malloc"], rows))
     if set(results) == {"contrail", "trl"} and all("error" not in r and r["steps"] for r in results.values()):
         c, t = results["contrail"]["steps"][-1], results["trl"]["steps"][-1]
         results["trl_over_contrail_step"] = t["step_s"] / c["step_s"]
