@@ -339,6 +339,11 @@ def fixed_tasks(args):
     return envs.make(name).tasks("test", difficulty)[: args.tasks]
 
 
+def worker_memory() -> dict:
+    """A (b) worker's peak RSS and whether its malloc kept freed memory (the table's last two columns)."""
+    return {"peak_rss_mb": peak_rss_mb(), "malloc_keeps_freed_memory": keeps_freed_memory()}
+
+
 def contrail_worker(args) -> dict:
     policy = load_policy(args.compare_model)
     tasks = fixed_tasks(args)
@@ -362,8 +367,7 @@ def contrail_worker(args) -> dict:
         steps.append({"step_s": s["step_seconds"], "rollout_s": s["rollout_seconds"], "update_s": s["update_seconds"],
                       "generated_tokens": s["generated_tokens"], "episode_tokens_mean": s["episode_tokens_mean"],
                       "turns_mean": s["turns_mean"], "updated": "skipped_update" not in s})
-    return {"steps": steps, "peak_rss_mb": peak_rss_mb(),
-            "malloc_keeps_freed_memory": keeps_freed_memory()}
+    return {"steps": steps, **worker_memory()}
 
 
 def trl_worker(args) -> dict:
@@ -460,8 +464,7 @@ def trl_worker(args) -> dict:
                       "generated_tokens": timings["generated_tokens"][i],
                       "episode_tokens_mean": timings["episode_tokens"][i], "turns_mean": timings["turns"][i],
                       "updated": True})
-    return {"steps": steps, "peak_rss_mb": peak_rss_mb(),
-            "malloc_keeps_freed_memory": keeps_freed_memory()}
+    return {"steps": steps, **worker_memory()}
 
 
 # contrail's loss aggregation -> TRL's loss_type with the same normalisation: "dapo" averages over

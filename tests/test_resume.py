@@ -238,15 +238,20 @@ KILL_POINTS = {
 }
 
 
+def kill_at(moment: str, exp: Experiment, monkeypatch) -> None:
+    """Run ``exp`` until it is killed at ``moment`` (a key of `KILL_POINTS`)."""
+    with monkeypatch.context() as patch:
+        KILL_POINTS[moment](patch)
+        with pytest.raises(Killed):
+            run(exp, show_progress=False)
+
+
 @pytest.mark.parametrize("moment", list(KILL_POINTS))
 def test_resume_after_a_kill_reproduces_the_uninterrupted_run(moment, base_model, reference, tmp_path,
                                                               monkeypatch):
     out = tmp_path / "run"
     exp = experiment(base_model, out)
-    with monkeypatch.context() as patch:
-        KILL_POINTS[moment](patch)
-        with pytest.raises(Killed):
-            run(exp, show_progress=False)
+    kill_at(moment, exp, monkeypatch)
     if not (out / "FINISHED").is_file():
         with pytest.raises(RunExistsError, match="--resume"):
             run(exp, show_progress=False)
@@ -254,20 +259,17 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(moment, base_model
     assert_same_run(out, reference)
 
 
-
 @pytest.mark.parametrize("moment, resumed", [("stage 1 training, second step", "after stage 0 of 2: stage 1"),
                                              ("stage 2 training, first step", "after stage 1 of 2: stage 2")])
 def test_a_resume_says_which_stage_trains_again(moment, resumed, base_model, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     exp = experiment(base_model, out)
-    with monkeypatch.context() as patch:
-        KILL_POINTS[moment](patch)
-        with pytest.raises(Killed):
-            run(exp, show_progress=False)
+    kill_at(moment, exp, monkeypatch)
     capsys.readouterr()
     run(exp, resume=True, show_progress=False)
     said = " ".join(capsys.readouterr().err.split())  # the console wraps long paths
     assert f"resuming {out} {resumed} trains from its start" in said
+
 
 def test_resuming_a_finished_run_changes_nothing(base_model, reference, tmp_path):
     out = tmp_path / "run"
