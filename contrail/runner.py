@@ -175,7 +175,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         if processes.is_main_process:
             tracking.log_rows()
     result = _finish(run_dir, processes)
-    trainer.accelerator.end_training()  # last: it ends the process group _finish still synchronises on
+    trainer.end()  # last: it ends the process group _finish still synchronises on
     return result
 
 

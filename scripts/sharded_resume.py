@@ -15,12 +15,14 @@ code says the same, so tests and cluster smoke checks can launch it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from torch.nn.parallel import DistributedDataParallel
 
 from contrail.models import load_model
 from contrail.testing import tiny_model, tiny_tokenizer
@@ -108,9 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = resumed.load_state(out / "checkpoint")
     losses += train(resumed, tokenizer, args.steps, args.steps)
     weights = full_weights(resumed)
+    model_class = type(resumed.model).__name__
     resumed.accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():  # a live process group at exit aborts gloo's threads
-        torch.distributed.destroy_process_group()
+    resumed.end()  # lets the DDP wrapper go, then ends the process group
+    wrappers_left = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
     if not state.is_main_process:
         return 0
     difference = max(float((weights[k] - expected[k]).abs().max()) for k in expected)
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "distributed_type": str(resumed.accelerator.distributed_type),
         "fsdp_version": getattr(resumed.accelerator.state.__dict__.get("fsdp_plugin"), "fsdp_version", None),
-        "model_class": type(resumed.model).__name__,
+        "model_class": model_class,
         "processes": state.num_processes,
         "backend": state.backend,
         "global_step": resumed.global_step,
@@ -126,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_weight_difference": difference,
         "max_loss_difference": loss_difference,
         "losses": losses,
+        "process_group_left": torch.distributed.is_initialized(),
+        "wrappers_left": wrappers_left,
         "ok": difference <= 1e-5 and loss_difference <= 1e-5 and resumed.global_step == 2 * args.steps,
     }
     print(json.dumps(report))

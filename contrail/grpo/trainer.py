@@ -257,6 +257,10 @@ class GRPOTrainer:
         self.step_count += 1
         return stats
 
+    def end(self) -> None:
+        """Finish training: trackers and process group (`MaskedTokenTrainer.end`); the policy still samples."""
+        self.masked_trainer.end()
+
     # --- checkpoints -----------------------------------------------------------------
     def save(self, directory: str | Path, sampler: Any = None, extra: dict | None = None) -> Path:
         """A resumable checkpoint: model, optimizer, scheduler, RNGs, step count, sampler and ``extra``.

@@ -88,7 +88,7 @@ def train_sft(model_name: str, spec: WarmStart, out: str | Path, *, seed: int = 
                "steps": trainer.global_step, "wall_seconds": time.perf_counter() - start}
     if trainer.accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    trainer.accelerator.end_training()
+    trainer.end()
     return model_dir
 
 

@@ -22,6 +22,7 @@ and JSON only: loading one never runs code.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import math
@@ -468,6 +469,18 @@ class MaskedTokenTrainer:
             return value
         tensor = torch.tensor([value], device=self.accelerator.device)
         return float(self.accelerator.reduce(tensor, reduction="sum").item())
+
+    def end(self) -> None:
+        """Finish training: close the trackers and, under ``accelerate launch``, the process group.
+
+        The distributed wrapper (DDP) holds the process group's backend, so it is let go first and
+        collected while the interpreter is whole: a gloo backend freed during interpreter shutdown
+        can abort the process after its work is done. The model stays usable, unwrapped, for evaluation.
+        """
+        self.model = self.accelerator.unwrap_model(self.model)
+        self.accelerator.free_memory()  # the accelerator's own references to the wrapper
+        gc.collect()  # DDP sits in reference cycles: refcounting alone would leave it to shutdown
+        self.accelerator.end_training()
 
     # --- models and checkpoints -------------------------------------------------
     @property
