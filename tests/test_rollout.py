@@ -522,9 +522,9 @@ def test_a_turn_s_parked_pieces_are_joined_only_when_a_next_turn_extends_them(to
     read = []
     real_assembled = backend_module._assembled
 
-    def assembled(sources, room=0):
+    def assembled(sources, room=0, release=()):
         read.append([session for session, _ in sources])
-        return real_assembled(sources, room)
+        return real_assembled(sources, room, release)
 
     def reads_of(pieces):
         """For each assembled cache, how many of ``pieces`` it read."""
@@ -548,6 +548,66 @@ def test_a_turn_s_parked_pieces_are_joined_only_when_a_next_turn_extends_them(to
     read.clear()
     backend.generate([p + g.ids + chat.user_turn_ids("again") for p, g in zip(prompts, first)], params)
     assert max(reads_of(pieces)) > 1  # the next turn read the first's parked pieces
+
+
+def test_a_next_turn_lets_each_old_layer_go_once_copied(tokenizer, chat, random_policy, monkeypatch):
+    """Joining the last turn's pieces into the next turn's cache frees them layer by layer, so the whole old
+    cache never sits beside the whole new one (a rollout's peak memory)."""
+    import weakref
+
+    from contrail.agent.kv_cache import GrowingLayer
+
+    model, _ = random_policy
+    stop = frozenset(range(5, len(tokenizer), 6))  # rows stop at many steps, so the turn ends in several pieces
+    prompts = [chat.prompt_ids([{"role": "user", "content": f"say the word {word} ."}])
+               for word in ("apple", "berry", "cherry", "grape", "lemon", "mango", "red", "blue")]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    backend = HFBackend(model, stop, tokenizer.pad_token_id, seed=7)
+    first = backend.generate(prompts, params)
+    old = [weakref.ref(layer) for piece in backend._session.pieces for layer in piece.cache.layers]
+    alive = []  # for each layer copied from the old pieces: how many old layers were alive then
+    real_assemble = GrowingLayer.assemble
+
+    def assemble(self, rows, width, room=0):
+        if any(layer is ref() for layer, _ in rows for ref in old):
+            alive.append(sum(ref() is not None for ref in old))
+        return real_assemble(self, rows, width, room)
+
+    monkeypatch.setattr(GrowingLayer, "assemble", assemble)
+    backend.generate([p + g.ids + chat.user_turn_ids("again") for p, g in zip(prompts, first)], params)
+    layers = len(model.model.layers)
+    assert len(alive) >= layers > 1  # every layer was copied from the pieces
+    assert alive[-1] < alive[0]  # the last copy ran with the first layers already gone
+    assert all(ref() is None for ref in old)
+
+
+def test_a_prefill_joining_repeated_prompts_lets_each_part_layer_go_once_copied(tokenizer, chat, random_policy,
+                                                                                 monkeypatch):
+    """A group's repeated prompts are prefilled once and their rows copied out layer by layer, each part's
+    layer freed before the next is copied."""
+    import weakref
+
+    from contrail.agent.kv_cache import GrowingLayer
+
+    model, _ = random_policy
+    distinct = [chat.prompt_ids([{"role": "user", "content": f"say the word {word} ."}])
+                for word in ("apple", "berry", "cherry", "grape")]
+    prompts = [prompt for prompt in distinct for _ in range(2)]  # a group of two per prompt
+    backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=7)
+    previous, freed = [], []  # for each join copy after the first: were the last copy's source layers gone?
+    real_assemble = GrowingLayer.assemble
+
+    def assemble(self, rows, width, room=0):
+        if len(rows) == len(prompts):  # the join of the distinct prompts' rows into the batch
+            if previous:
+                freed.append(all(ref() is None for ref in previous))
+            previous[:] = [weakref.ref(layer) for layer, _ in rows]
+        return real_assemble(self, rows, width, room)
+
+    monkeypatch.setattr(GrowingLayer, "assemble", assemble)
+    backend.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0))
+    assert len(freed) == len(model.model.layers) - 1 > 0
+    assert all(freed)
 
 
 def test_started_episodes_play_as_a_rollout_plays_them_and_seeds_are_all_or_none(tokenizer, chat, random_policy):

@@ -419,8 +419,11 @@ class HFBackend:
         for bucket in buckets:
             rows, room = [sources[i] for i in bucket], max(new_lengths[i] for i in bucket)
             unread.subtract(id(session) for session, _ in rows)
-            # Extended in place only if no later bucket reads that session (a shared prefix feeds them all).
-            session = (_in_place(rows, room) if unread[id(rows[0][0])] == 0 else None) or _assembled(rows, room)
+            # Only sessions no later bucket reads (a shared prefix feeds them all) may be extended in place
+            # or let go while copied.
+            finished = [session for session in _distinct_sessions(rows) if unread[id(session)] == 0]
+            in_place = _in_place(rows, room) if unread[id(rows[0][0])] == 0 else None
+            session = in_place or _assembled(rows, room, release=finished)
             parts.append(self._extend_rows(session, [prompts[i] for i in bucket]))
         sources.clear()
         del rows  # the last bucket's sources too: the cache they point into is freed before the copy below
@@ -566,13 +569,17 @@ def _length_buckets(lengths: list[int], max_buckets: int = 3, min_saving: float 
     return [order[begin:end] for begin, end in zip(bounds, bounds[1:])]
 
 
-def _assembled(sources: list[tuple[_Session, int]], room: int = 0) -> _Session:
+def _assembled(sources: list[tuple[_Session, int]], room: int = 0, release: list[_Session] = ()) -> _Session:
     """One session of the rows ``sources`` names (``(session, row)``, in order, repeats allowed).
 
     Every layer's rows are copied once, left-padded to the widest source, into
     a buffer with room for ``room`` more positions (`GrowingLayer.assemble`).
+    The sessions in ``release`` are read for the last time: each of their
+    layers is let go as soon as it is copied, so the new cache never sits
+    beside the whole of the old one (a turn's peak memory), and the old
+    layers' memory is there for the next layers' buffers. They are unusable afterwards.
     """
-    sessions = list({id(session): session for session, _ in sources}.values())
+    sessions = _distinct_sessions(sources)
     width = max(session.attention.shape[1] for session in sessions)
     cache = copy.copy(sessions[0].cache)
     cache.layers = []
@@ -580,6 +587,8 @@ def _assembled(sources: list[tuple[_Session, int]], room: int = 0) -> _Session:
         layer = GrowingLayer()
         layer.assemble([(session.cache.layers[number], row) for session, row in sources], width, room)
         cache.layers.append(layer)
+        for session in release:
+            session.cache.layers[number] = None  # its last reference: the memory is free for the next layer
     attention = torch.stack([_left_pad(session.attention[row], width, dim=-1) for session, row in sources])
     positions = torch.stack([session.next_position[row] for session, row in sources])
     known = [list(session.known[row]) for session, row in sources]
@@ -601,8 +610,14 @@ def _assembled_with_logits(parts: list[tuple[_Session, torch.Tensor]],
                            places: list[tuple[int, int]]) -> tuple[_Session, torch.Tensor]:
     """`_assembled` from ``parts`` (sessions with their next-token logits): row ``i`` is part ``places[i][0]``'s
     row ``places[i][1]``."""
-    session = _assembled([(parts[part][0], row) for part, row in places])
+    sources = [(parts[part][0], row) for part, row in places]
+    session = _assembled(sources, release=_distinct_sessions(sources))  # the parts are this join's alone
     return session, torch.stack([parts[part][1][row] for part, row in places])
+
+
+def _distinct_sessions(sources: list[tuple[_Session, int]]) -> list[_Session]:
+    """The sessions ``sources`` reads from, each once, in order of first use."""
+    return list({id(session): session for session, _ in sources}.values())
 
 
 def _worth_parking(done: torch.Tensor, steps_left: int) -> bool:
