@@ -111,7 +111,7 @@ def test_trainer_checkpoint_resumes_exactly_under_ddp(tmp_path):
     assert report["distributed_type"] == "DistributedType.MULTI_CPU" and report["processes"] == 2
     assert report["backend"] == "gloo"
     assert report["ok"], report
-    # `end` let DDP go before the process group: nothing of gloo is left for interpreter shutdown to free
+    # `end` let the DDP wrapper go and ended the process group: nothing of either is left for shutdown
     assert report["wrappers_left"] == 0 and not report["process_group_left"], report
 
 

@@ -473,13 +473,13 @@ class MaskedTokenTrainer:
     def end(self) -> None:
         """Finish training: close the trackers and, under ``accelerate launch``, the process group.
 
-        The distributed wrapper (DDP) holds the process group's backend, so it is let go first and
-        collected while the interpreter is whole: a gloo backend freed during interpreter shutdown
-        can abort the process after its work is done. The model stays usable, unwrapped, for evaluation.
+        The distributed wrapper (DDP) is let go first, so nothing is left holding the ended group's
+        backend until interpreter shutdown. The model stays usable, unwrapped, for evaluation.
+        Call it once, last.
         """
         self.model = self.accelerator.unwrap_model(self.model)
         self.accelerator.free_memory()  # the accelerator's own references to the wrapper
-        gc.collect()  # DDP sits in reference cycles: refcounting alone would leave it to shutdown
+        gc.collect()  # free_memory collects before it drops those references: what they held in cycles goes now
         self.accelerator.end_training()
 
     # --- models and checkpoints -------------------------------------------------
