@@ -117,16 +117,65 @@ def test_demonstrations_are_deterministic_from_the_seed_and_only_from_training_t
     assert all(sum(s.mask) > 0 for s in samples)
 
 
-def test_interrupted_warm_start_resumes_from_its_last_epoch(base_model, tmp_path):
-    spec = replace(SPEC, epochs=2)
+def _counting_steps(monkeypatch, die_at: int | None = None) -> dict:
+    """Count the masked-token trainer's steps; raise KeyboardInterrupt at step ``die_at`` (1-based)."""
+    from contrail.train.trainer import MaskedTokenTrainer
+
+    real_step, calls = MaskedTokenTrainer.step, {"n": 0}
+
+    def step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == die_at:
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(MaskedTokenTrainer, "step", step)
+    return calls
+
+
+def test_interrupted_warm_start_resumes_from_its_last_epoch(base_model, tmp_path, monkeypatch):
+    spec = replace(SPEC, epochs=2)  # two steps an epoch
     out = tmp_path / "sft"
     straight = train_sft(base_model, spec, tmp_path / "straight", seed=0, show_progress=False)
-    train_sft(base_model, replace(spec, epochs=1), out, seed=0, show_progress=False)  # "killed" after epoch 1
-    resumed = train_sft(base_model, spec, out, seed=0, show_progress=False)
+    with monkeypatch.context() as patch:
+        _counting_steps(patch, die_at=3)  # killed as epoch 1 begins
+        with pytest.raises(KeyboardInterrupt):
+            train_sft(base_model, spec, out, seed=0, show_progress=False)
+    assert json.loads((out / "checkpoint" / "trainer_state.json").read_text())["extra"] == {"epoch": 0}
+    with monkeypatch.context() as patch:
+        calls = _counting_steps(patch)
+        resumed = train_sft(base_model, spec, out, seed=0, show_progress=False)
+    assert calls["n"] == 2  # epoch 1 alone
     log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     assert [entry["epoch"] for entry in log] == [0, 0, 1, 1]
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all((a[name] == b[name]).all() for name in a)
+    assert not (out / "checkpoint").exists()  # the model supersedes it
+
+
+def test_a_finished_warm_start_skips_its_last_checkpoint_and_is_not_trained_again(base_model, tmp_path,
+                                                                                    monkeypatch):
+    from contrail.train.trainer import MaskedTokenTrainer
+
+    spec, out = replace(SPEC, epochs=2), tmp_path / "sft"
+    saved, real_save = [], MaskedTokenTrainer.save
+    monkeypatch.setattr(MaskedTokenTrainer, "save",
+                        lambda self, directory, extra=None: saved.append(extra) or real_save(self, directory, extra))
+    model = train_sft(base_model, spec, out, seed=0, show_progress=False)
+    assert saved == [{"epoch": 0}]  # after epoch 0 only: the last epoch's would be deleted unread
+    weights = (model / "model.safetensors").stat().st_mtime_ns
+    with monkeypatch.context() as patch:
+        calls = _counting_steps(patch)
+        assert train_sft(base_model, spec, out, seed=0, show_progress=False) == model
+        assert calls["n"] == 0 and (model / "model.safetensors").stat().st_mtime_ns == weights
+        train_sft(base_model, replace(spec, lr=spec.lr / 2), out, seed=0, show_progress=False)
+        assert calls["n"] == 4  # other settings: trained again, from the start
+        train_sft(base_model, replace(spec, lr=spec.lr / 2), out, seed=0, show_progress=False, resume=False)
+        assert calls["n"] == 8  # resume=False always trains
+        with pytest.raises(KeyboardInterrupt):  # and, cut short, leaves nothing that reads as finished
+            _counting_steps(patch, die_at=1)
+            train_sft(base_model, spec, out, seed=0, show_progress=False, resume=False)
+    assert not (out / "summary.json").exists()
 
 
 def test_demonstrations_render_like_rollouts_and_mask_assistant_tokens():

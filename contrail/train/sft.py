@@ -62,15 +62,22 @@ def train_sft(model_name: str, spec: WarmStart, out: str | Path, *, seed: int = 
         model_name: the model to start from (HF id, local path or the embedded alias).
         spec: what to demonstrate and how to train (``spec.epochs`` passes of
             ``spec.batch_size`` demonstrations per step at ``spec.lr``).
-        out: writes ``out/model`` (final weights + tokenizer), ``out/checkpoint``
-            (after each epoch, for resuming), ``out/log.jsonl`` and ``out/summary.json``.
+        out: writes ``out/model`` (final weights + tokenizer), ``out/log.jsonl`` and
+            ``out/summary.json``; ``out/checkpoint`` (model and optimizer state) after each
+            epoch but the last, for resuming, deleted once the model is written.
         seed: draws the demonstration tasks, seeds the trainer and the epochs' shuffles.
         dtype: the dtype the model is loaded in.
-        resume: continue from ``out/checkpoint`` when a previous call was interrupted between epochs.
+        resume: continue from ``out/checkpoint`` when a previous call was interrupted between
+            epochs, and return ``out/model`` untouched when a call with these settings finished.
         show_progress: show progress bars.
     """
     out = Path(out)
+    identity = {"model": model_name, "warmstart": dataclasses.asdict(spec), "seed": seed, "dtype": dtype}
+    if resume and _finished(out, identity):
+        return out / "model"
     out.mkdir(parents=True, exist_ok=True)
+    if PartialState().is_main_process:
+        (out / "summary.json").unlink(missing_ok=True)  # until this call's model is whole, none is finished here
     checkpoint = out / "checkpoint"
     resuming = resume and (checkpoint / "trainer_state.pt").exists()
     model, tokenizer = load_model(str(checkpoint / "model") if resuming else model_name, dtype=dtype)
@@ -84,12 +91,23 @@ def train_sft(model_name: str, spec: WarmStart, out: str | Path, *, seed: int = 
     start = time.perf_counter()
     _train_epochs(trainer, samples, spec, seed, first_epoch, out, show_progress)
     model_dir = trainer.save_model(out / "model")
-    summary = {"model": model_name, "demonstrations": made, "warmstart": dataclasses.asdict(spec), "seed": seed,
-               "steps": trainer.global_step, "wall_seconds": time.perf_counter() - start}
+    summary = {**identity, "demonstrations": made, "steps": trainer.global_step,
+               "wall_seconds": time.perf_counter() - start}
     if trainer.accelerator.is_main_process:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        shutil.rmtree(checkpoint, ignore_errors=True)  # an earlier epoch's: the model supersedes it
     trainer.end()
     return model_dir
+
+
+def _finished(out: Path, identity: dict) -> bool:
+    """Whether ``out`` holds a model a call with these settings wrote (its summary comes last)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    same = {key: summary.get(key) for key in identity} == json.loads(json.dumps(identity, default=str))
+    return same and _has_model(out / "model")
 
 
 def _train_epochs(trainer: MaskedTokenTrainer, samples, spec: WarmStart, seed: int, first_epoch: int, out: Path,
@@ -111,7 +129,8 @@ def _train_epochs(trainer: MaskedTokenTrainer, samples, spec: WarmStart, seed: i
                     log.flush()
                 trainer.accelerator.log(stats, step=trainer.global_step)
                 progress.step_done(f"loss/token {stats['nll_per_token']:.3f}")
-            trainer.save(out / "checkpoint", extra={"epoch": epoch})
+            if epoch < spec.epochs - 1:  # the last epoch's would only be deleted: the model written next supersedes it
+                trainer.save(out / "checkpoint", extra={"epoch": epoch})
 
 
 def warmstart_key(model_name: str, spec: WarmStart, *, seed: int, dtype: str) -> str:
@@ -127,8 +146,8 @@ def warmstart(model_name: str, spec: WarmStart, *, seed: int = 0, dtype: str = "
 
     Training happens in ``<key>.partial`` (an interrupted warm-start resumes
     from its last epoch) and the finished directory is renamed into place
-    holding the model weights and tokenizer, the log and a summary; the
-    optimizer state (gigabytes for a real model) is deleted, as nothing
+    holding the model weights and tokenizer, the log and a summary; no
+    optimizer state (gigabytes for a real model) is kept, as nothing
     resumes a finished warm-start.
 
     Args:
@@ -160,7 +179,6 @@ def warmstart(model_name: str, spec: WarmStart, *, seed: int = 0, dtype: str = "
         staging = directory.with_name(directory.name + ".partial")
         train_sft(model_name, spec, staging, seed=seed, dtype=dtype, resume=True, show_progress=show_progress)
         if processes.is_main_process:
-            shutil.rmtree(staging / "checkpoint", ignore_errors=True)
             shutil.rmtree(directory, ignore_errors=True)  # a directory without a model: an older partial copy
             staging.replace(directory)
         processes.wait_for_everyone()
