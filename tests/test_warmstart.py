@@ -213,19 +213,10 @@ def test_demonstrations_are_cached_by_what_shapes_them():
 
 
 def test_a_cut_short_epoch_is_logged_once_after_resuming(base_model, tmp_path, monkeypatch):
-    from contrail.train.trainer import MaskedTokenTrainer
-
     spec = replace(SPEC, epochs=2)
-    real_step, calls = MaskedTokenTrainer.step, {"n": 0}
-
-    def die_in_epoch_two(self, *args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 4:  # epoch 1's second step: its first step is logged, its checkpoint never written
-            raise KeyboardInterrupt
-        return real_step(self, *args, **kwargs)
-
     with monkeypatch.context() as patch:
-        patch.setattr(MaskedTokenTrainer, "step", die_in_epoch_two)
+        # epoch 1's second step: its first step is logged, its checkpoint never written
+        _counting_steps(patch, die_at=4)
         with pytest.raises(KeyboardInterrupt):
             train_sft(base_model, spec, tmp_path / "bc", seed=0, show_progress=False)
     train_sft(base_model, spec, tmp_path / "bc", seed=0, show_progress=False)
