@@ -255,6 +255,8 @@ class Experiment:
     evaluation (``eval`` overrides only what differs). ``out`` is the run
     directory (``${name}`` is replaced by the name). ``label`` names the run's
     group in `contrail.report.compare` (set by `expand_runs`; see `run_label`).
+    ``checkpoint_minutes`` spaces the checkpoints taken within a stage
+    (`contrail.runner`); every stage's end is checkpointed too.
     """
 
     name: str
@@ -270,12 +272,18 @@ class Experiment:
     seeds: list[int] | None = None
     orders: Any = None  # None, "all", or a list of orders (lists of specs); checked below
     label: str | None = None
+    # Within a stage, checkpoint after a step once this many minutes have passed since the stage began or the
+    # last such checkpoint (0: after every step), so a killed run loses at most that much training.
+    checkpoint_minutes: float = 5.0
 
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("name must be a non-empty string")
         self.out = self.out.replace("${name}", self.name)
         check_seed(self.seed, "seed")
+        value = self.checkpoint_minutes
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"checkpoint_minutes must be a finite number >= 0, got {value!r}")
         if self.seeds is not None:
             if not self.seeds:
                 raise ValueError("seeds must list at least one seed (or be omitted)")

@@ -6,6 +6,7 @@ Layout of ``runs/<name>/``::
     plan.json              the stages and test experiences (written by the runner)
     results.jsonl          row 0 = the untouched model, row s = after stage s
     checkpoints/stage-03/  the model after stage 3 (and the trainer state, for the last recorded stage)
+    checkpoints/in-progress/  the run within the stage it is training (`Experiment.checkpoint_minutes`)
     trajectories/stage-03.jsonl   the evaluation episodes after stage 3
     FINISHED               present once every stage is recorded
     report.md  matrix.csv  heatmap.png  success_by_stage.png
@@ -53,6 +54,7 @@ RESULT_NEUTRAL_KEYS = frozenset(
         "eval.batch_episodes",
         "grpo.micro_batch_tokens",
         "grpo.gradient_checkpointing",
+        "checkpoint_minutes",
     }
 )
 
@@ -153,6 +155,10 @@ class RunDir:
     def checkpoint_dir(self, stage: int) -> Path:
         """Where the model after ``stage`` is saved (the caller creates it)."""
         return self.path / "checkpoints" / f"stage-{stage:02d}"
+
+    def progress_dir(self) -> Path:
+        """Where a checkpoint taken within a stage, after some of its steps, is saved (one at a time)."""
+        return self.path / "checkpoints" / "in-progress"
 
     def trajectories_path(self, stage: int) -> Path:
         """The evaluation episodes after ``stage`` (the parent directory is created)."""

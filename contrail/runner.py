@@ -12,7 +12,9 @@ Resuming works after a kill at any moment and reproduces the uninterrupted
 run exactly: the stages are replayed from ``plan.json`` (the strategy must
 plan them again, identically); training continues from the checkpoint of the
 last *recorded* stage, whose optimizer state (and the strategy's own state,
-if it has one) is kept until the next row is written; checkpoints are
+if it has one) is kept until the next row is written, and then from the
+checkpoint taken within the next stage, if there is one
+(``checkpoint_minutes``, `_StepCheckpoints`); checkpoints are
 written to a staging directory and renamed into place; evaluation leaves
 the global random state alone, so a checkpoint saved before it resumes the
 same streams; ``grpo_log.jsonl`` is cut back to the checkpoint's step; a KL
@@ -148,10 +150,10 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         console.print(f"GRPO and evaluation in {describe_precision(experiment.grpo.precision, device)}")
     tracking = Tracking(experiment.tracking, trainer.accelerator, run_dir.path, experiment.name,
                         yaml.safe_load(experiment.to_yaml()))
-    if done >= 0:
-        _resume(run_dir, done, len(stages), trainer, strategy, experiment, start_model)
+    within = _resume(run_dir, done, stages, trainer, strategy, experiment, start_model) if done >= 0 else None
     if processes.is_main_process:
-        steps = trainer.step_count  # the checkpoint's steps; a resumed stage logs the rest again
+        # The steps the checkpoints hold (the one within the next stage, if any); the rest are logged again.
+        steps = within["grpo_step"] if within else trainer.step_count
         truncate_log(run_dir.path / GRPO_LOG,
                      lambda entry: isinstance(entry.get("step"), int) and entry["step"] <= steps)
         _drop_stale_checkpoints(run_dir, done)
@@ -359,9 +361,16 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
     started = time.perf_counter()
     sampler = stage_sampler(stage, stream)  # from the plain-data stage: plan.json replays exactly
     strategy.before_stage(stage, trainer)
-    history = trainer.train(sampler, stage.steps, description=f"stage {stage.index}/{total} {stage.name}")
+    checkpoints = _StepCheckpoints(run_dir, stage, trainer, strategy, sampler, experiment.checkpoint_minutes,
+                                   processes)
+    trainer.train(sampler, stage.steps, on_step=checkpoints.after_step,
+                  description=f"stage {stage.index}/{total} {stage.name}", done=len(checkpoints.history))
+    history = checkpoints.history
     strategy.after_stage(stage, trainer)
-    _save_checkpoint(trainer, strategy, run_dir, stage.index, sampler, processes)
+    _save_checkpoint(trainer, strategy, run_dir.checkpoint_dir(stage.index), sampler, processes,
+                     extra={"stage": stage.index})
+    if processes.is_main_process:
+        shutil.rmtree(run_dir.progress_dir(), ignore_errors=True)  # the stage's own checkpoint supersedes it
     with trainer.full_weights():  # the main process evaluates alone: no collectives in its forwards
         if processes.is_main_process:
             evaluating = time.perf_counter()
@@ -375,18 +384,75 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
     processes.wait_for_everyone()
 
 
-def _save_checkpoint(trainer: GRPOTrainer, strategy: Strategy, run_dir: RunDir, stage: int, sampler,
-                     processes: PartialState) -> None:
+class _StepCheckpoints:
+    """Checkpoints within a stage, so that a killed run loses at most ``minutes`` of its training.
+
+    After a step that is not the stage's last (the stage's own checkpoint
+    follows that one), once ``minutes`` have passed since the stage began
+    or since the last such checkpoint, the whole run state is saved to
+    `RunDir.progress_dir`: weights, optimizer, RNGs, the sampler, the
+    strategy's state and the stage's step history. A resumed stage takes it
+    up after ``before_stage`` (which sees the stage's starting weights, as
+    the first time) and runs only the steps after it. Runs whose weights are
+    sharded over processes are checkpointed at stage ends only
+    (`GRPOTrainer.load_weights`).
+    """
+
+    def __init__(self, run_dir: RunDir, stage: Stage, trainer: GRPOTrainer, strategy: Strategy, sampler,
+                 minutes: float, processes: PartialState):
+        self.run_dir, self.stage, self.trainer, self.strategy = run_dir, stage, trainer, strategy
+        self.sampler, self.seconds, self.processes = sampler, 60.0 * minutes, processes
+        self.enabled = not trainer.masked_trainer.sharded
+        self.history = self._take_up() if self.enabled else []  # the stage's steps so far, with their stats
+        self.last = time.monotonic()
+
+    def _take_up(self) -> list[dict[str, float]]:
+        """Load the checkpoint taken within this stage, if a killed run left one; return its steps' stats."""
+        directory = self.run_dir.progress_dir()
+        within = _within_stage(self.run_dir, self.stage.index)
+        if within is None:
+            return []
+        self.trainer.load_weights(directory)
+        self.trainer.load_state(directory, sampler=self.sampler)
+        _load_strategy_state(self.strategy, directory)
+        return list(within["extra"]["history"])
+
+    def after_step(self, stats: dict[str, float]) -> None:
+        self.history.append(stats)
+        if not self.enabled or len(self.history) >= self.stage.steps or not self._due():
+            return
+        _save_checkpoint(self.trainer, self.strategy, self.run_dir.progress_dir(), self.sampler, self.processes,
+                         extra={"stage": self.stage.index, "history": self.history})
+        self.last = time.monotonic()
+
+    def _due(self) -> bool:
+        due = time.monotonic() - self.last >= self.seconds
+        if self.processes.num_processes == 1:
+            return due
+        # Saving is a collective: every process must decide alike, whatever its own clock says.
+        return self.trainer.masked_trainer.sum_over_processes(float(due)) > 0
+
+
+def _within_stage(run_dir: RunDir, stage: int) -> dict[str, Any] | None:
+    """What the checkpoint within ``stage`` says of itself (``grpo_step``, ``extra``), or None if there is none."""
+    path = run_dir.progress_dir() / "trainer_state.json"
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text(encoding="utf-8"))["extra"]
+    return state if state["extra"].get("stage") == stage else None
+
+
+def _save_checkpoint(trainer: GRPOTrainer, strategy: Strategy, target: Path, sampler, processes: PartialState,
+                     extra: dict[str, Any]) -> None:
     """Save into a staging directory and rename it into place, so a checkpoint is whole or absent."""
-    target = run_dir.checkpoint_dir(stage)
     staging = target.with_name(target.name + ".partial")
     if processes.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)  # left by a kill during an earlier save
     processes.wait_for_everyone()
-    trainer.save(staging, sampler=sampler, extra={"stage": stage})
+    trainer.save(staging, sampler=sampler, extra=extra)
     if processes.is_main_process:
         _save_strategy_state(strategy, staging)
-        # A checkpoint of this stage left by a run killed before its row is stale: replace it.
+        # A checkpoint left here by a run killed before its row (or the next one within the stage) is stale.
         shutil.rmtree(target, ignore_errors=True)
         staging.replace(target)
     processes.wait_for_everyone()
@@ -501,16 +567,22 @@ def _train_summary(history: list[dict[str, float]]) -> dict[str, Any]:
 # --- resuming ----------------------------------------------------------------------------------
 
 
-def _resume(run_dir: RunDir, done: int, stage_count: int, trainer: GRPOTrainer, strategy: Strategy,
-            experiment: Experiment, start_model: str) -> None:
+def _resume(run_dir: RunDir, done: int, stages: list[Stage], trainer: GRPOTrainer, strategy: Strategy,
+            experiment: Experiment, start_model: str) -> dict[str, Any] | None:
     """Take up the checkpoint of stage ``done`` (none after row 0 alone) and say where the run goes on.
 
-    Checkpoints are per stage: a stage cut short trains again from its start, to the same result.
+    A stage cut short goes on from the checkpoint taken within it (`_StepCheckpoints`, which loads it once
+    the stage's ``before_stage`` has run), or trains again from its start; either way to the same result.
+    Returns what that checkpoint within the next stage says of itself (`_within_stage`), or None.
     """
     if done >= 1:
         _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
-    console.print(f"resuming {run_dir.path} after stage {done} of {stage_count}: "
-                  f"stage {done + 1} trains from its start")
+    following = stages[done]  # resuming a run with every stage recorded finishes it before this
+    within = _within_stage(run_dir, following.index) if not trainer.masked_trainer.sharded else None
+    where = (f"goes on after its step {len(within['extra']['history'])} of {following.steps}" if within
+             else "trains from its start")
+    console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}: stage {following.index} {where}")
+    return within
 
 
 def _read_plan(run_dir: RunDir) -> dict[str, Any] | None:
@@ -523,7 +595,8 @@ def _drop_stale_checkpoints(run_dir: RunDir, done: int) -> None:
 
     Checkpoints of stages after ``done`` were saved without their row being
     written (a kill before recording), and staging directories are partial
-    saves: both are removed, since that stage is trained again.
+    saves: both are removed, since that stage is trained again. A checkpoint
+    within a stage is kept only if it is stage ``done + 1``'s, the one that goes on.
     """
     root = run_dir.path / "checkpoints"
     if not root.is_dir():
@@ -531,6 +604,8 @@ def _drop_stale_checkpoints(run_dir: RunDir, done: int) -> None:
     for path in root.iterdir():
         if path.name.endswith(".partial"):
             shutil.rmtree(path, ignore_errors=True)
+    if _within_stage(run_dir, done + 1) is None:  # a checkpoint within a stage that is recorded, or none
+        shutil.rmtree(run_dir.progress_dir(), ignore_errors=True)
     for stage in range(1, done):
         for name in (TRAINER_STATE, STRATEGY_STATE):
             (run_dir.checkpoint_dir(stage) / name).unlink(missing_ok=True)

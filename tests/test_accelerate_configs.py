@@ -146,6 +146,18 @@ RUN_SCRIPT = textwrap.dedent("""
             os._exit(0)
 
     runner._run_stage = stage_then_die
+    kill_at_step = int(os.environ.get("KILL_AT_STEP", "0"))
+    if kill_at_step:
+        from contrail.grpo.trainer import GRPOTrainer
+        real_step, steps = GRPOTrainer.step, []
+
+        def step_or_die(self, sampler):
+            steps.append(1)
+            if len(steps) == kill_at_step:  # every process, before the step: the checkpoint before it is whole
+                os._exit(0)
+            return real_step(self, sampler)
+
+        GRPOTrainer.step = step_or_die
     runner.run(experiment, resume="--resume" in sys.argv, show_progress=False)
     import json
     from accelerate import PartialState
@@ -154,10 +166,10 @@ RUN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def two_stage_experiment(tmp_path: Path, out: str) -> str:
+def two_stage_experiment(tmp_path: Path, out: str, checkpoint_minutes: float = 5.0) -> str:
     """A two-stage run of the tiny model on the magic environments, written to ``<out>.yaml``."""
     experiment = Experiment(
-        name=out, out=str(tmp_path / out), seed=0,
+        name=out, out=str(tmp_path / out), seed=0, checkpoint_minutes=checkpoint_minutes,
         stream=StreamSpec(train=["magic:easy", "magic-berry:easy"], train_tasks=8, test_tasks=4,
                           steps_per_experience=2),
         strategy=StrategySpec(name="sequential"),
@@ -208,6 +220,32 @@ def test_a_run_killed_between_stages_resumes_exactly_under_ddp(tmp_path):
     assert len(straight_rows) == 3
     assert resumed_rows == straight_rows
     assert straight_weights.keys() == resumed_weights.keys()
+    assert all((straight_weights[k] == resumed_weights[k]).all() for k in straight_weights)
+
+
+@multiprocess
+def test_a_run_killed_within_a_stage_resumes_exactly_under_ddp(tmp_path):
+    """Killed before stage 2's second step, with a checkpoint after every step: the resume runs that step alone."""
+    save_start_model(tmp_path)
+    script = tmp_path / "run.py"
+    script.write_text(RUN_SCRIPT)
+
+    launch("ddp", str(script), two_stage_experiment(tmp_path, "straight"))
+    killed = two_stage_experiment(tmp_path, "killed", checkpoint_minutes=0.0)
+    launch("ddp", str(script), killed, env={"KILL_AT_STEP": "4"})
+    assert len((tmp_path / "killed" / "results.jsonl").read_text().splitlines()) == 2  # row 0 and stage 1
+    assert (tmp_path / "killed" / "checkpoints" / "in-progress" / "trainer_state.pt").is_file()
+    launch("ddp", str(script), killed, "--resume")
+    assert not (tmp_path / "killed" / "checkpoints" / "in-progress").exists()
+    log = [json.loads(line)["step"] for line in (tmp_path / "killed" / "grpo_log.jsonl").read_text().splitlines()]
+    assert log == [1, 2, 3, 4]
+
+    def outcome(out: str):
+        weights = load_file(str(tmp_path / out / "checkpoints" / "stage-02" / "model" / "model.safetensors"))
+        return run_rows(tmp_path / out), weights
+
+    (straight_rows, straight_weights), (resumed_rows, resumed_weights) = outcome("straight"), outcome("killed")
+    assert resumed_rows == straight_rows
     assert all((straight_weights[k] == resumed_weights[k]).all() for k in straight_weights)
 
 

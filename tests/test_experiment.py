@@ -258,6 +258,8 @@ def test_check_catches_what_python_construction_cannot(tmp_path):
     (BASIC.replace("lr: 1e-6", "aggregation: mean"),
      r"exp.yaml: grpo.aggregation: invalid value 'mean'; valid: token-mean"),
     (BASIC + "seeds: [1, 1]\n", r"exp.yaml: seeds: must be distinct"),
+    (BASIC + "checkpoint_minutes: -1\n", r"exp.yaml: checkpoint_minutes: must be a finite number >= 0, got -1"),
+    (BASIC + "checkpoint_minutes: soon\n", r"exp.yaml: checkpoint_minutes: expected a number, got str 'soon'"),
     (BASIC + "orders: some\n", r"exp.yaml: orders: must be 'all' or a non-empty list"),
     (BASIC + "orders: [[tiny-a:easy], []]\n", r"exp.yaml: orders\[1\]: must be a non-empty list"),
     (BASIC + "model: {name: m, dtype: int8}\n",

@@ -68,7 +68,8 @@ def base_model(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-def experiment(base_model, out, strategy="sequential", beta=0.0) -> Experiment:
+def experiment(base_model, out, strategy="sequential", beta=0.0, checkpoint_minutes=0.0, lora=False) -> Experiment:
+    """The two-stage run every case kills; by default it checkpoints after every step within a stage too."""
     return Experiment(
         name="resume",
         stream=StreamSpec(train=["magic:easy", "magic-berry:easy"], train_tasks=8, test_tasks=4,
@@ -76,10 +77,11 @@ def experiment(base_model, out, strategy="sequential", beta=0.0) -> Experiment:
         strategy=StrategySpec(name=strategy),
         model=ModelSpec(name=base_model, dtype="float32", device="cpu"),
         rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
-        grpo=GRPOConfig(lr=3e-2, group_size=8, tasks_per_step=2, beta=beta),
+        grpo=GRPOConfig(lr=3e-2, group_size=8, tasks_per_step=2, beta=beta, lora=lora),
         eval=EvalSpec(k=2),
         seed=1,  # a seed whose random-model rollouts make every reference row differ
         out=str(out),
+        checkpoint_minutes=checkpoint_minutes,
     )
 
 
@@ -119,7 +121,9 @@ def snapshot(out) -> dict:
 
 
 def final_weights(out) -> dict[str, torch.Tensor]:
-    return load_file(out / "checkpoints" / "stage-02" / "model" / "model.safetensors")
+    """The last stage's weights (a LoRA run's adapter)."""
+    (path,) = (out / "checkpoints" / "stage-02" / "model").glob("*.safetensors")
+    return load_file(path)
 
 
 def assert_same_run(out, reference) -> None:
@@ -220,17 +224,22 @@ def after_drift_samples(mp):
     kill_on_call(mp, drift, "save_samples", 1, before=False)
 
 
+# Each stage's two steps are followed by a checkpoint: after its first one within the stage (`trainer.save`
+# calls 1 and 3), after its last one the stage's own (calls 2 and 4).
 KILL_POINTS = {
     "row 0 evaluation": in_evaluation(1),
     "start samples saved, row 0 not written": after_drift_samples,
+    "stage 1 training, first step": in_training(1),
+    "stage 1 checkpoint write within the stage": in_checkpoint_write(1),
     "stage 1 training, second step": in_training(2),
-    "stage 1 checkpoint write": in_checkpoint_write(1),
+    "stage 1 checkpoint write": in_checkpoint_write(2),
     "stage 1 evaluation": in_evaluation(2),
     "stage 1 row written, before stage 2": after_row(2),
     "stage 2 training, first step": in_training(3),
     "stage 2 training, after its first step": in_training(4),
-    "stage 2 checkpoint write": in_checkpoint_write(2),
-    "stage 2 checkpoint write, weights saved, optimizer state not": between_weights_and_optimizer_state(2),
+    "stage 2 checkpoint write within the stage, weights saved": between_weights_and_optimizer_state(3),
+    "stage 2 checkpoint write": in_checkpoint_write(4),
+    "stage 2 checkpoint write, weights saved, optimizer state not": between_weights_and_optimizer_state(4),
     "stage 2 row written, earlier optimizer state not yet deleted": after_row(3),
     "stage 2 evaluation": in_evaluation(3),
     "after the last row, before FINISHED": after_last_row,
@@ -259,16 +268,79 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(moment, base_model
     assert_same_run(out, reference)
 
 
-@pytest.mark.parametrize("moment, resumed", [("stage 1 training, second step", "after stage 0 of 2: stage 1"),
-                                             ("stage 2 training, first step", "after stage 1 of 2: stage 2")])
-def test_a_resume_says_which_stage_trains_again(moment, resumed, base_model, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("moment, resumed", [
+    ("stage 1 training, second step", "after stage 0 of 2: stage 1 goes on after its step 1 of 2"),
+    ("stage 1 checkpoint write within the stage", "after stage 0 of 2: stage 1 trains from its start"),
+    ("stage 2 training, first step", "after stage 1 of 2: stage 2 trains from its start"),
+    ("stage 2 training, after its first step", "after stage 1 of 2: stage 2 goes on after its step 1 of 2"),
+])
+def test_a_resume_says_where_the_stage_goes_on(moment, resumed, base_model, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     exp = experiment(base_model, out)
     kill_at(moment, exp, monkeypatch)
     capsys.readouterr()
     run(exp, resume=True, show_progress=False)
     said = " ".join(capsys.readouterr().err.split())  # the console wraps long paths
-    assert f"resuming {out} {resumed} trains from its start" in said
+    assert f"resuming {out} {resumed}" in said
+
+
+def test_a_resumed_stage_runs_only_the_steps_after_its_checkpoint(base_model, reference, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    exp = experiment(base_model, out)
+    kill_at("stage 2 training, after its first step", exp, monkeypatch)
+    assert (out / "checkpoints" / "in-progress" / "trainer_state.pt").is_file()
+    steps = count_calls(monkeypatch, GRPOTrainer, "step")
+    run(exp, resume=True, show_progress=False)
+    assert steps["n"] == 1  # step 4 alone; step 3 came from the checkpoint within stage 2
+    assert_same_run(out, reference)
+
+
+def test_without_checkpoints_within_stages_a_cut_short_stage_trains_again(base_model, reference, tmp_path,
+                                                                         monkeypatch):
+    out = tmp_path / "run"
+    exp = experiment(base_model, out, checkpoint_minutes=60.0)
+    kill_at("stage 2 training, after its first step", exp, monkeypatch)
+    assert not (out / "checkpoints" / "in-progress").exists()
+    steps = count_calls(monkeypatch, GRPOTrainer, "step")
+    run(exp, resume=True, show_progress=False)
+    assert steps["n"] == 2
+    assert_same_run(out, reference)
+
+
+@pytest.mark.parametrize("minutes_per_step, saves", [(3.0, 2), (6.0, 4)])
+def test_checkpoints_within_a_stage_are_spaced_by_checkpoint_minutes(minutes_per_step, saves, base_model,
+                                                                      tmp_path, monkeypatch):
+    """Every 5 minutes: a clock that moves 3 minutes a step saves the stages' ends alone, 6 minutes a step
+    after each stage's first step too."""
+    import time
+    import types
+
+    import contrail.runner
+
+    clock = {"now": 0.0}
+
+    def tick():
+        clock["now"] += 60.0 * minutes_per_step
+        return clock["now"]
+
+    # The runner's clock only: the rest of the process keeps the real one.
+    monkeypatch.setattr(contrail.runner, "time", types.SimpleNamespace(monotonic=tick, perf_counter=time.perf_counter))
+    calls = count_calls(monkeypatch, GRPOTrainer, "save")
+    run(experiment(base_model, tmp_path / "run", checkpoint_minutes=5.0), show_progress=False)
+    assert calls["n"] == saves
+    assert not (tmp_path / "run" / "checkpoints" / "in-progress").exists()
+
+
+def count_calls(monkeypatch, owner, name) -> dict[str, int]:
+    """Count calls of ``owner.name`` (it still runs)."""
+    real, count = getattr(owner, name), {"n": 0}
+
+    def counted(*args, **kwargs):
+        count["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return count
 
 
 def test_resuming_a_finished_run_changes_nothing(base_model, reference, tmp_path):
@@ -326,6 +398,17 @@ def test_continual_learning_methods_resume_exactly(strategy, base_model, tmp_pat
         with pytest.raises(Killed):
             run(experiment(base_model, out, strategy), show_progress=False)
     run(experiment(base_model, out, strategy), resume=True, show_progress=False)
+    assert_same_run(out, straight)
+
+
+def test_a_lora_run_resumes_within_a_stage_exactly(base_model, tmp_path, monkeypatch):
+    """The checkpoint within a stage holds the adapter alone; it is loaded into the live model's adapter."""
+    straight = tmp_path / "straight"
+    run(experiment(base_model, straight, lora=True), show_progress=False)
+    out = tmp_path / "resumed"
+    kill_at("stage 2 training, after its first step", experiment(base_model, out, lora=True), monkeypatch)
+    assert (out / "checkpoints" / "in-progress" / "model" / "adapter_model.safetensors").is_file()
+    run(experiment(base_model, out, lora=True), resume=True, show_progress=False)
     assert_same_run(out, straight)
 
 

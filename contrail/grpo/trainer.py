@@ -180,12 +180,18 @@ class GRPOTrainer:
 
     # --- the loop -----------------------------------------------------------------
     def train(self, sampler: TaskSource, steps: int, on_step: Callable[[dict], None] | None = None,
-              description: str = "GRPO") -> list[dict[str, float]]:
-        """Run ``steps`` GRPO steps drawing tasks from ``sampler``; return each step's stats."""
+              description: str = "GRPO", done: int = 0) -> list[dict[str, float]]:
+        """Run GRPO steps ``done + 1 .. steps`` drawing tasks from ``sampler``; return each one's stats.
+
+        ``done`` steps of the ``steps`` ran before (a stage taken up from a
+        checkpoint within it): the progress bar counts them, nothing reruns them.
+        """
+        if not 0 <= done <= steps:
+            raise ValueError(f"train: done must be in [0, steps = {steps}], got {done}")
         history = []
         enabled = self.show_progress and self.accelerator.is_main_process
-        with StepProgress(steps, description, enabled) as progress:
-            for _ in range(steps):
+        with StepProgress(steps, description, enabled, start=done) as progress:
+            for _ in range(steps - done):
                 stats = self.step(sampler)
                 history.append(stats)
                 if on_step:
@@ -282,6 +288,16 @@ class GRPOTrainer:
         partial.replace(path)
         self.accelerator.wait_for_everyone()
         return saved
+
+    def load_weights(self, directory: str | Path) -> None:
+        """Load the weights a `save` wrote (``directory/model``) into the live model, in place, and sample from them.
+
+        For a checkpoint taken within a run (`contrail.runner`): a strategy's
+        ``before_stage`` has already seen the stage's starting weights. One
+        process or DDP only (`MaskedTokenTrainer.load_weights`).
+        """
+        self.masked_trainer.load_weights(Path(directory) / "model")
+        sync_after_update(self.policy.backend, self.model)  # a backend with its own copy must take these
 
     def load_state(self, directory: str | Path, sampler: Any = None) -> dict:
         """Restore what `save` wrote (the caller loads the model weights); return its ``extra``."""

@@ -506,6 +506,37 @@ class MaskedTokenTrainer:
         self.accelerator.wait_for_everyone()
         return directory
 
+    def load_weights(self, directory: Path) -> None:
+        """Copy the weights `save_model` wrote to ``directory`` into the live model, in place.
+
+        With LoRA that is the adapter alone (the base model never changes).
+        Loading in place keeps every reference to the parameters valid (the
+        optimizer's, a strategy's anchor), which loading a new model would not.
+        Weights sharded over processes (FSDP, DeepSpeed) are not supported here:
+        `contrail.runner` checkpoints those runs at stage ends only.
+        """
+        from safetensors.torch import load_file
+
+        if self.sharded:
+            raise NotImplementedError("load_weights: weights sharded over processes load through the checkpoint "
+                                      "of a stage, not in place")
+        directory = Path(directory)
+        if self.config.lora:
+            from peft import set_peft_model_state_dict
+
+            loaded = set_peft_model_state_dict(self.unwrapped, load_file(directory / "adapter_model.safetensors"))
+            if loaded.unexpected_keys:
+                raise CheckpointError(f"{directory}: adapter weights this model lacks: {loaded.unexpected_keys[:3]}")
+            return
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(directory.glob("*.safetensors")):
+            state.update(load_file(shard))
+        missing, unexpected = self.unwrapped.load_state_dict(state, strict=False)
+        untied = [name for name in missing if not _tied_to(self.unwrapped, name, state)]
+        if unexpected or untied:
+            raise CheckpointError(f"{directory}: weights that do not fit this model "
+                                  f"(missing {untied[:3]}, unexpected {unexpected[:3]})")
+
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> Path:
         """A resumable checkpoint: ``model/``, ``trainer_state.pt`` and ``trainer_state.json``.
 
@@ -573,6 +604,15 @@ class MaskedTokenTrainer:
 
         set_optimizer_state_dict(self.model, _inner_optimizer(self.optimizer), optim_state_dict=state,
                                  options=StateDictOptions(full_state_dict=True))
+
+
+def _tied_to(model, name: str, loaded: dict[str, torch.Tensor]) -> bool:
+    """Whether ``model``'s parameter ``name`` shares its storage with one of the ``loaded`` names (a tied LM
+    head: `save_pretrained` writes one of the pair)."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    pointer = parameters[name].data_ptr() if name in parameters else None
+    return pointer is not None and any(parameters[other].data_ptr() == pointer
+                                       for other in loaded if other in parameters and other != name)
 
 
 def _adapters_take_autocast_inputs(model, active: bool):
