@@ -187,6 +187,32 @@ def test_checkpoint_resume_continues_identically(tokenizer, tmp_path):
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_load_weights_copies_saved_weights_into_the_live_parameters(tokenizer, tmp_path):
+    config = TrainConfig(lr=1e-3)
+    saved = MaskedTokenTrainer(tiny_model(tokenizer, seed=1), tokenizer, config)
+    saved.save_model(tmp_path / "model")
+    live = MaskedTokenTrainer(tiny_model(tokenizer, seed=2), tokenizer, config)
+    parameters = list(live.unwrapped.parameters())
+    live.load_weights(tmp_path / "model")
+    assert all(a is b for a, b in zip(parameters, live.unwrapped.parameters()))  # in place: the optimizer's own
+    want, got = saved.unwrapped.state_dict(), live.unwrapped.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[name], got[name]) for name in want)
+    assert live.unwrapped.lm_head.weight is live.unwrapped.model.embed_tokens.weight  # still tied
+
+
+def test_load_weights_refuses_another_models_weights_and_changes_nothing(tokenizer, tmp_path):
+    config = TrainConfig(lr=1e-3)
+    MaskedTokenTrainer(tiny_model(tokenizer, layers=3), tokenizer, config).save_model(tmp_path / "deeper")
+    MaskedTokenTrainer(tiny_model(tokenizer, hidden_size=48), tokenizer, config).save_model(tmp_path / "wider")
+    live = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, config)
+    before = {name: tensor.clone() for name, tensor in live.unwrapped.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"unexpected \['model.layers.2"):
+        live.load_weights(tmp_path / "deeper")
+    with pytest.raises(CheckpointError, match="of another shape"):
+        live.load_weights(tmp_path / "wider")
+    assert all(torch.equal(before[name], tensor) for name, tensor in live.unwrapped.state_dict().items())
+
+
 # --- configuration, non-finite updates, checkpoints ------------------------------------------
 
 

@@ -531,11 +531,15 @@ class MaskedTokenTrainer:
         state: dict[str, torch.Tensor] = {}
         for shard in sorted(directory.glob("*.safetensors")):
             state.update(load_file(shard))
-        missing, unexpected = self.unwrapped.load_state_dict(state, strict=False)
-        untied = [name for name in missing if not _tied_to(self.unwrapped, name, state)]
-        if unexpected or untied:
-            raise CheckpointError(f"{directory}: weights that do not fit this model "
-                                  f"(missing {untied[:3]}, unexpected {unexpected[:3]})")
+        # Checked before anything is copied, so a refused checkpoint leaves the model as it was.
+        live = self.unwrapped.state_dict()
+        unexpected = sorted(set(state) - set(live))
+        missing = [name for name in live if name not in state and not _tied_to(self.unwrapped, name, state)]
+        reshaped = [name for name in state if name in live and state[name].shape != live[name].shape]
+        if unexpected or missing or reshaped:
+            raise CheckpointError(f"{directory}: weights that do not fit this model (missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]}, of another shape {reshaped[:3]})")
+        self.unwrapped.load_state_dict(state, strict=False)  # strict would count a tied head as missing
 
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> Path:
         """A resumable checkpoint: ``model/``, ``trainer_state.pt`` and ``trainer_state.json``.
