@@ -192,6 +192,12 @@ def run_rows(run_dir: Path) -> list[dict]:
     return rows
 
 
+def run_outcome(run_dir: Path) -> tuple[list[dict], dict]:
+    """A two-stage run's rows (without wall times) and its final weights."""
+    weights = load_file(str(run_dir / "checkpoints" / "stage-02" / "model" / "model.safetensors"))
+    return run_rows(run_dir), weights
+
+
 def save_start_model(tmp_path: Path) -> None:
     tokenizer = tiny_tokenizer()
     tiny_model(tokenizer).save_pretrained(tmp_path / "start")
@@ -211,12 +217,8 @@ def test_a_run_killed_between_stages_resumes_exactly_under_ddp(tmp_path):
     assert len(rows) == 2 and not (tmp_path / "killed" / "FINISHED").exists()   # row 0 and stage 1 only
     launch("ddp", str(script), killed, "--resume")
 
-    def outcome(out: str):
-        weights = load_file(str(tmp_path / out / "checkpoints" / "stage-02" / "model" / "model.safetensors"))
-        return run_rows(tmp_path / out), weights
-
-    straight_rows, straight_weights = outcome("straight")
-    resumed_rows, resumed_weights = outcome("killed")
+    straight_rows, straight_weights = run_outcome(tmp_path / "straight")
+    resumed_rows, resumed_weights = run_outcome(tmp_path / "killed")
     assert len(straight_rows) == 3
     assert resumed_rows == straight_rows
     assert straight_weights.keys() == resumed_weights.keys()
@@ -240,11 +242,8 @@ def test_a_run_killed_within_a_stage_resumes_exactly_under_ddp(tmp_path):
     log = [json.loads(line)["step"] for line in (tmp_path / "killed" / "grpo_log.jsonl").read_text().splitlines()]
     assert log == [1, 2, 3, 4]
 
-    def outcome(out: str):
-        weights = load_file(str(tmp_path / out / "checkpoints" / "stage-02" / "model" / "model.safetensors"))
-        return run_rows(tmp_path / out), weights
-
-    (straight_rows, straight_weights), (resumed_rows, resumed_weights) = outcome("straight"), outcome("killed")
+    straight_rows, straight_weights = run_outcome(tmp_path / "straight")
+    resumed_rows, resumed_weights = run_outcome(tmp_path / "killed")
     assert resumed_rows == straight_rows
     assert all((straight_weights[k] == resumed_weights[k]).all() for k in straight_weights)
 
