@@ -393,16 +393,15 @@ class _StepCheckpoints:
     `RunDir.progress_dir`: weights, optimizer, RNGs, the sampler, the
     strategy's state and the stage's step history. A resumed stage takes it
     up after ``before_stage`` (which sees the stage's starting weights, as
-    the first time) and runs only the steps after it. Runs whose weights are
-    sharded over processes are checkpointed at stage ends only
-    (`GRPOTrainer.load_weights`).
+    the first time) and runs only the steps after it. DeepSpeed runs are
+    checkpointed at stage ends only (`MaskedTokenTrainer.loads_weights_in_place`).
     """
 
     def __init__(self, run_dir: RunDir, stage: Stage, trainer: GRPOTrainer, strategy: Strategy, sampler,
                  minutes: float, processes: PartialState):
         self.run_dir, self.stage, self.trainer, self.strategy = run_dir, stage, trainer, strategy
         self.sampler, self.seconds, self.processes = sampler, 60.0 * minutes, processes
-        self.enabled = not trainer.masked_trainer.sharded
+        self.enabled = trainer.masked_trainer.loads_weights_in_place
         self.history = self._take_up() if self.enabled else []  # the stage's steps so far, with their stats
         self.last = time.monotonic()
 
@@ -578,7 +577,7 @@ def _resume(run_dir: RunDir, done: int, stages: list[Stage], trainer: GRPOTraine
     if done >= 1:
         _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
     following = stages[done]  # resuming a run with every stage recorded finishes it before this
-    within = _within_stage(run_dir, following.index) if not trainer.masked_trainer.sharded else None
+    within = _within_stage(run_dir, following.index) if trainer.masked_trainer.loads_weights_in_place else None
     where = (f"goes on after its step {len(within['extra']['history'])} of {following.steps}" if within
              else "trains from its start")
     console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}: stage {following.index} {where}")

@@ -166,7 +166,7 @@ RUN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def two_stage_experiment(tmp_path: Path, out: str, checkpoint_minutes: float = 5.0) -> str:
+def two_stage_experiment(tmp_path: Path, out: str, checkpoint_minutes: float = 5.0, lora: bool = False) -> str:
     """A two-stage run of the tiny model on the magic environments, written to ``<out>.yaml``."""
     experiment = Experiment(
         name=out, out=str(tmp_path / out), seed=0, checkpoint_minutes=checkpoint_minutes,
@@ -175,7 +175,7 @@ def two_stage_experiment(tmp_path: Path, out: str, checkpoint_minutes: float = 5
         strategy=StrategySpec(name="sequential"),
         model=ModelSpec(name=str(tmp_path / "start"), dtype="float32", device="cpu"),
         rollout=RolloutConfig(max_new_tokens=3, max_episode_tokens=256),
-        grpo=GRPOConfig(lr=3e-2, group_size=4, tasks_per_step=2), eval=EvalSpec(k=2))
+        grpo=GRPOConfig(lr=3e-2, group_size=4, tasks_per_step=2, lora=lora), eval=EvalSpec(k=2))
     path = tmp_path / f"{out}.yaml"
     path.write_text(experiment.to_yaml())
     return str(path)
@@ -193,8 +193,10 @@ def run_rows(run_dir: Path) -> list[dict]:
 
 
 def run_outcome(run_dir: Path) -> tuple[list[dict], dict]:
-    """A two-stage run's rows (without wall times) and its final weights."""
-    weights = load_file(str(run_dir / "checkpoints" / "stage-02" / "model" / "model.safetensors"))
+    """A two-stage run's rows (without wall times) and its final weights (a LoRA run's: its adapter)."""
+    model = run_dir / "checkpoints" / "stage-02" / "model"
+    weights = load_file(str(next(model / name for name in ("model.safetensors", "adapter_model.safetensors")
+                                 if (model / name).is_file())))
     return run_rows(run_dir), weights
 
 
@@ -225,19 +227,21 @@ def test_a_run_killed_between_stages_resumes_exactly_under_ddp(tmp_path):
     assert all((straight_weights[k] == resumed_weights[k]).all() for k in straight_weights)
 
 
-@multiprocess
-def test_a_run_killed_within_a_stage_resumes_exactly_under_ddp(tmp_path):
-    """Killed before stage 2's second step, with a checkpoint after every step: the resume runs that step alone."""
+def kill_within_stage_2_and_resume(tmp_path: Path, config_name: str, env: dict[str, str] | None = None,
+                                   lora: bool = False) -> None:
+    """An uninterrupted two-stage run (``straight``) and one killed before stage 2's second step, with a
+    checkpoint after every step, then resumed (``killed``): the resume runs that step alone."""
     save_start_model(tmp_path)
     script = tmp_path / "run.py"
     script.write_text(RUN_SCRIPT)
 
-    launch("ddp", str(script), two_stage_experiment(tmp_path, "straight"))
-    killed = two_stage_experiment(tmp_path, "killed", checkpoint_minutes=0.0)
-    launch("ddp", str(script), killed, env={"KILL_AT_STEP": "4"})
+    launch(config_name, str(script), two_stage_experiment(tmp_path, "straight", lora=lora), env=env)
+    killed = two_stage_experiment(tmp_path, "killed", checkpoint_minutes=0.0, lora=lora)
+    launch(config_name, str(script), killed, env={**(env or {}), "KILL_AT_STEP": "4"})
     assert len((tmp_path / "killed" / "results.jsonl").read_text().splitlines()) == 2  # row 0 and stage 1
     assert (tmp_path / "killed" / "checkpoints" / "in-progress" / "trainer_state.pt").is_file()
-    launch("ddp", str(script), killed, "--resume")
+    resumed = launch(config_name, str(script), killed, "--resume", env=env)
+    assert "stage 2 goes on after its step 1 of 2" in resumed.stdout + resumed.stderr
     assert not (tmp_path / "killed" / "checkpoints" / "in-progress").exists()
     log = [json.loads(line)["step"] for line in (tmp_path / "killed" / "grpo_log.jsonl").read_text().splitlines()]
     assert log == [1, 2, 3, 4]
@@ -245,7 +249,21 @@ def test_a_run_killed_within_a_stage_resumes_exactly_under_ddp(tmp_path):
     straight_rows, straight_weights = run_outcome(tmp_path / "straight")
     resumed_rows, resumed_weights = run_outcome(tmp_path / "killed")
     assert resumed_rows == straight_rows
+    assert straight_weights.keys() == resumed_weights.keys()
     assert all((straight_weights[k] == resumed_weights[k]).all() for k in straight_weights)
+
+
+@multiprocess
+def test_a_run_killed_within_a_stage_resumes_exactly_under_ddp(tmp_path):
+    kill_within_stage_2_and_resume(tmp_path, "ddp")
+
+
+@multiprocess
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_run_killed_within_a_stage_resumes_exactly_under_fsdp2(tmp_path, lora):
+    """Each process takes its shard of the checkpoint's full weights (or adapter) back in place
+    (`set_model_state_dict`)."""
+    kill_within_stage_2_and_resume(tmp_path, "fsdp", env={"FORCE_FSDP": "1"}, lora=lora)
 
 
 @multiprocess

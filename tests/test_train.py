@@ -213,6 +213,23 @@ def test_load_weights_refuses_another_models_weights_and_changes_nothing(tokeniz
     assert all(torch.equal(before[name], tensor) for name, tensor in live.unwrapped.state_dict().items())
 
 
+def test_load_weights_takes_a_lora_adapter_in_place_and_refuses_one_of_another_rank(tokenizer, tmp_path):
+    saved = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig(lr=1e-2, lora=True, lora_r=4))
+    saved.step([Sample(ids=list(range(3, 13)), mask=[0] * 4 + [1] * 6)], cross_entropy_loss)  # B moves off zero
+    saved.save_model(tmp_path / "rank4")
+    rank8 = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig(lora=True, lora_r=8))
+    rank8.save_model(tmp_path / "rank8")
+    live = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig(lr=1e-2, lora=True, lora_r=4))
+    adapters = {name: p for name, p in live.unwrapped.named_parameters() if "lora_" in name}
+    with pytest.raises(CheckpointError, match="of another shape"):
+        live.load_weights(tmp_path / "rank8")
+    live.load_weights(tmp_path / "rank4")
+    want = {name: p for name, p in saved.unwrapped.named_parameters() if "lora_" in name}
+    assert adapters.keys() == want.keys() and any(name.endswith("lora_B.default.weight") for name in want)
+    assert all(adapters[name] is p for name, p in live.unwrapped.named_parameters() if "lora_" in name)
+    assert all(torch.equal(adapters[name], want[name]) for name in want)
+
+
 # --- configuration, non-finite updates, checkpoints ------------------------------------------
 
 

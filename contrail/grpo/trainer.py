@@ -294,7 +294,7 @@ class GRPOTrainer:
 
         For a checkpoint taken within a run (`contrail.runner`): a strategy's
         ``before_stage`` has already seen the stage's starting weights. One
-        process or DDP only (`MaskedTokenTrainer.load_weights`).
+        process, DDP or FSDP; not DeepSpeed (`MaskedTokenTrainer.load_weights`).
         """
         self.masked_trainer.load_weights(Path(directory) / "model")
         sync_after_update(self.policy.backend, self.model)  # a backend with its own copy must take these

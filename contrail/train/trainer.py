@@ -512,34 +512,54 @@ class MaskedTokenTrainer:
         With LoRA that is the adapter alone (the base model never changes).
         Loading in place keeps every reference to the parameters valid (the
         optimizer's, a strategy's anchor), which loading a new model would not.
-        Weights sharded over processes (FSDP, DeepSpeed) are not supported here:
-        `contrail.runner` checkpoints those runs at stage ends only.
+        Under FSDP every process reads the whole file and keeps its own shard
+        of it. Refused with `CheckpointError`, the model left as it was, when
+        the weights do not fit it; `NotImplementedError` under DeepSpeed
+        (see `loads_weights_in_place`).
         """
-        from safetensors.torch import load_file
-
-        if self.sharded:
-            raise NotImplementedError("load_weights: weights sharded over processes load through the checkpoint "
-                                      "of a stage, not in place")
+        if not self.loads_weights_in_place:
+            raise NotImplementedError("load_weights: DeepSpeed's sharded weights load through the checkpoint of "
+                                      "a stage, not in place")
         directory = Path(directory)
-        if self.config.lora:
-            from peft import set_peft_model_state_dict
-
-            loaded = set_peft_model_state_dict(self.unwrapped, load_file(directory / "adapter_model.safetensors"))
-            if loaded.unexpected_keys:
-                raise CheckpointError(f"{directory}: adapter weights this model lacks: {loaded.unexpected_keys[:3]}")
-            return
-        state: dict[str, torch.Tensor] = {}
-        for shard in sorted(directory.glob("*.safetensors")):
-            state.update(load_file(shard))
+        live = self.unwrapped.state_dict()  # under FSDP2 its values are DTensors of the full shapes
+        state, expected = self._saved_weights(directory, live)
         # Checked before anything is copied, so a refused checkpoint leaves the model as it was.
-        live = self.unwrapped.state_dict()
         unexpected = sorted(set(state) - set(live))
-        missing = [name for name in live if name not in state and not _tied_to(self.unwrapped, name, state)]
+        missing = [name for name in expected if name not in state and not _tied_to(self.unwrapped, name, state)]
         reshaped = [name for name in state if name in live and state[name].shape != live[name].shape]
         if unexpected or missing or reshaped:
             raise CheckpointError(f"{directory}: weights that do not fit this model (missing {missing[:3]}, "
                                   f"unexpected {unexpected[:3]}, of another shape {reshaped[:3]})")
-        self.unwrapped.load_state_dict(state, strict=False)  # strict would count a tied head as missing
+        if self.accelerator.distributed_type == DistributedType.FSDP:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            # Each process copies its shard of every full tensor into its own (a tied head: one of the pair).
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            self.unwrapped.load_state_dict(state, strict=False)  # strict would count a tied head as missing
+
+    @property
+    def loads_weights_in_place(self) -> bool:
+        """Whether `load_weights` can load into this model: one process, DDP or FSDP, not DeepSpeed."""
+        return self.accelerator.distributed_type != DistributedType.DEEPSPEED
+
+    def _saved_weights(self, directory: Path, live: dict[str, Any]) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """The weights `save_model` wrote, under the live model's names, and the names they must cover.
+
+        A LoRA adapter is saved without its adapter's name (``lora_A.weight``,
+        not ``lora_A.default.weight``) and covers only the adapter's weights.
+        """
+        from safetensors.torch import load_file
+
+        if not self.config.lora:
+            state: dict[str, torch.Tensor] = {}
+            for shard in sorted(directory.glob("*.safetensors")):
+                state.update(load_file(shard))
+            return state, list(live)
+        adapter = self.unwrapped.active_adapter
+        live_names = {name.replace(f".{adapter}.", "."): name for name in live if f".{adapter}." in name}
+        saved = load_file(directory / "adapter_model.safetensors")
+        return {live_names.get(name, name): tensor for name, tensor in saved.items()}, list(live_names.values())
 
     def save(self, directory: Path, extra: dict[str, Any] | None = None) -> Path:
         """A resumable checkpoint: ``model/``, ``trainer_state.pt`` and ``trainer_state.json``.
@@ -611,12 +631,11 @@ class MaskedTokenTrainer:
 
 
 def _tied_to(model, name: str, loaded: dict[str, torch.Tensor]) -> bool:
-    """Whether ``model``'s parameter ``name`` shares its storage with one of the ``loaded`` names (a tied LM
-    head: `save_pretrained` writes one of the pair)."""
+    """Whether ``model``'s parameter ``name`` is one of the ``loaded`` names' parameters (a tied LM head:
+    `save_pretrained` writes one of the pair). The same object, not the same storage: FSDP2's DTensors have none."""
     parameters = dict(model.named_parameters(remove_duplicate=False))
-    pointer = parameters[name].data_ptr() if name in parameters else None
-    return pointer is not None and any(parameters[other].data_ptr() == pointer
-                                       for other in loaded if other in parameters and other != name)
+    return name in parameters and any(parameters[other] is parameters[name]
+                                      for other in loaded if other in parameters and other != name)
 
 
 def _adapters_take_autocast_inputs(model, active: bool):
