@@ -14,7 +14,7 @@ plan them again, identically); training continues from the checkpoint of the
 last *recorded* stage, whose optimizer state (and the strategy's own state,
 if it has one) is kept until the next row is written, and then from the
 checkpoint taken within the next stage, if there is one
-(``checkpoint_minutes``, `_StepCheckpoints`); checkpoints are
+(``checkpoint_minutes``); checkpoints (`contrail.checkpoints`) are
 written to a staging directory and renamed into place; evaluation leaves
 the global random state alone, so a checkpoint saved before it resumes the
 same streams; ``grpo_log.jsonl`` is cut back to the checkpoint's step; a KL
@@ -46,7 +46,7 @@ import numpy as np
 import yaml
 from accelerate import PartialState
 
-from contrail import drift, eval_cache
+from contrail import checkpoints, drift, eval_cache
 from contrail.evaluation import EvalResult, Evaluator, select_tasks
 from contrail.integrations.trackers import Tracking
 from contrail.metrics import summarize
@@ -70,8 +70,6 @@ __all__ = ["BASE_SUCCESS_TASKS", "RunResult", "measure_base_success", "run"]
 PLAN = "plan.json"
 DRIFT_SAMPLES = "drift-start.json"
 GRPO_LOG = "grpo_log.jsonl"
-TRAINER_STATE = "trainer_state.pt"
-STRATEGY_STATE = "strategy_state.safetensors"
 BASE_SUCCESS_TASKS = 16   # training tasks per experience the base success is measured on
 BASE_SUCCESS_K = 2        # samples per task for the base success
 
@@ -150,13 +148,14 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
         console.print(f"GRPO and evaluation in {describe_precision(experiment.grpo.precision, device)}")
     tracking = Tracking(experiment.tracking, trainer.accelerator, run_dir.path, experiment.name,
                         yaml.safe_load(experiment.to_yaml()))
-    within = _resume(run_dir, done, stages, trainer, strategy, experiment, start_model) if done >= 0 else None
+    within = (checkpoints.resume(run_dir, done, stages, trainer, strategy, experiment, start_model)
+              if done >= 0 else None)
     if processes.is_main_process:
         # The steps the checkpoints hold (the one within the next stage, if any); the rest are logged again.
         steps = within["grpo_step"] if within else trainer.step_count
         truncate_log(run_dir.path / GRPO_LOG,
                      lambda entry: isinstance(entry.get("step"), int) and entry["step"] <= steps)
-        _drop_stale_checkpoints(run_dir, done)
+        checkpoints.drop_stale(run_dir, done)
     evaluator = _make_evaluator(experiment, stream, show_progress)
     # One unshard (FSDP) and merge (LoRA) for both: drift's baseline takes the whole weights, as its
     # later measures see them, and the main process evaluates row 0 alone, with no collectives.
@@ -317,32 +316,6 @@ def _make_trainer(experiment: Experiment, stream: Stream, model, tokenizer, run_
                        seed=experiment.seed, log_dir=run_dir.path, show_progress=show_progress)
 
 
-def _continue_from(run_dir: RunDir, done: int, trainer: GRPOTrainer, strategy: Strategy, experiment: Experiment,
-                   start_model: str) -> None:
-    """Restore what training carries past stage ``done``: optimizer, RNGs, step count, strategy state, KL reference.
-
-    The weights themselves were loaded from the checkpoint (`_load`).
-    """
-    checkpoint = run_dir.checkpoint_dir(done)
-    trainer.load_state(checkpoint)
-    _load_strategy_state(strategy, checkpoint)
-    _restore_reference(trainer, experiment, start_model)
-
-
-def _restore_reference(trainer: GRPOTrainer, experiment: Experiment, start_model: str) -> None:
-    """Give a resumed trainer the run's start model as its KL reference (``grpo.beta > 0``).
-
-    The trainer freezes a copy of the model it is built with; after a resume
-    that is the checkpoint's, so the start model's weights are loaded into it.
-    With LoRA the reference is the (unchanged) base model under the adapter.
-    """
-    if trainer.reference is None or experiment.grpo.lora:
-        return
-    start, _ = load_model(start_model, dtype=experiment.model.dtype)
-    trainer.reference.load_state_dict(start.state_dict())
-    del start
-
-
 def _make_evaluator(experiment: Experiment, stream: Stream, show_progress: bool) -> Evaluator:
     # One seed for every row: differences between rows come from the model, not the sampling.
     return Evaluator({e.name: e.test_tasks for e in stream.test}, env_factory(stream.experiences),
@@ -361,14 +334,14 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
     started = time.perf_counter()
     sampler = stage_sampler(stage, stream)  # from the plain-data stage: plan.json replays exactly
     strategy.before_stage(stage, trainer)
-    checkpoints = _StepCheckpoints(run_dir, stage, trainer, strategy, sampler, experiment.checkpoint_minutes,
-                                   processes)
-    trainer.train(sampler, stage.steps, on_step=checkpoints.after_step,
-                  description=f"stage {stage.index}/{total} {stage.name}", done=len(checkpoints.history))
-    history = checkpoints.history
+    within = checkpoints.StepCheckpoints(run_dir, stage, trainer, strategy, sampler, experiment.checkpoint_minutes,
+                                         processes)
+    trainer.train(sampler, stage.steps, on_step=within.after_step,
+                  description=f"stage {stage.index}/{total} {stage.name}", done=len(within.history))
+    history = within.history
     strategy.after_stage(stage, trainer)
-    _save_checkpoint(trainer, strategy, run_dir.checkpoint_dir(stage.index), sampler, processes,
-                     extra={"stage": stage.index})
+    checkpoints.save_checkpoint(trainer, strategy, run_dir.checkpoint_dir(stage.index), sampler, processes,
+                                extra={"stage": stage.index})
     if processes.is_main_process:
         shutil.rmtree(run_dir.progress_dir(), ignore_errors=True)  # the stage's own checkpoint supersedes it
     with trainer.full_weights():  # the main process evaluates alone: no collectives in its forwards
@@ -380,105 +353,8 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
             _record(run_dir, stage.index, stage.name, list(stage.new), results, _train_summary(history),
                     time.perf_counter() - started, drift_entry=moved, eval_seconds=evaluated - evaluating)
             # Only now is the previous stage's optimizer state unneeded: a kill before this row resumes from it.
-            _drop_stale_checkpoints(run_dir, stage.index)
+            checkpoints.drop_stale(run_dir, stage.index)
     processes.wait_for_everyone()
-
-
-class _StepCheckpoints:
-    """Checkpoints within a stage, so that a killed run loses at most ``minutes`` of its training.
-
-    After a step that is not the stage's last (the stage's own checkpoint
-    follows that one), once ``minutes`` have passed since the stage began
-    or since the last such checkpoint, the whole run state is saved to
-    `RunDir.progress_dir`: weights, optimizer, RNGs, the sampler, the
-    strategy's state and the stage's step history. A resumed stage takes it
-    up after ``before_stage`` (which sees the stage's starting weights, as
-    the first time) and runs only the steps after it. DeepSpeed runs are
-    checkpointed at stage ends only (`MaskedTokenTrainer.loads_weights_in_place`).
-    """
-
-    def __init__(self, run_dir: RunDir, stage: Stage, trainer: GRPOTrainer, strategy: Strategy, sampler,
-                 minutes: float, processes: PartialState):
-        self.run_dir, self.stage, self.trainer, self.strategy = run_dir, stage, trainer, strategy
-        self.sampler, self.seconds, self.processes = sampler, 60.0 * minutes, processes
-        self.enabled = trainer.masked_trainer.loads_weights_in_place
-        self.history = self._take_up() if self.enabled else []  # the stage's steps so far, with their stats
-        self.last = time.monotonic()
-
-    def _take_up(self) -> list[dict[str, float]]:
-        """Load the checkpoint taken within this stage, if a killed run left one; return its steps' stats."""
-        directory = self.run_dir.progress_dir()
-        within = _within_stage(self.run_dir, self.stage.index)
-        if within is None:
-            return []
-        self.trainer.load_weights(directory)
-        self.trainer.load_state(directory, sampler=self.sampler)
-        _load_strategy_state(self.strategy, directory)
-        return list(within["extra"]["history"])
-
-    def after_step(self, stats: dict[str, float]) -> None:
-        self.history.append(stats)
-        if not self.enabled or len(self.history) >= self.stage.steps or not self._due():
-            return
-        _save_checkpoint(self.trainer, self.strategy, self.run_dir.progress_dir(), self.sampler, self.processes,
-                         extra={"stage": self.stage.index, "history": self.history})
-        self.last = time.monotonic()
-
-    def _due(self) -> bool:
-        due = time.monotonic() - self.last >= self.seconds
-        if self.processes.num_processes == 1:
-            return due
-        # Saving is a collective: every process must decide alike, whatever its own clock says.
-        return self.trainer.masked_trainer.sum_over_processes(float(due)) > 0
-
-
-def _within_stage(run_dir: RunDir, stage: int) -> dict[str, Any] | None:
-    """What the checkpoint within ``stage`` says of itself (``grpo_step``, ``extra``), or None if there is none."""
-    path = run_dir.progress_dir() / "trainer_state.json"
-    if not path.is_file():
-        return None
-    state = json.loads(path.read_text(encoding="utf-8"))["extra"]
-    return state if state["extra"].get("stage") == stage else None
-
-
-def _save_checkpoint(trainer: GRPOTrainer, strategy: Strategy, target: Path, sampler, processes: PartialState,
-                     extra: dict[str, Any]) -> None:
-    """Save into a staging directory and rename it into place, so a checkpoint is whole or absent."""
-    staging = target.with_name(target.name + ".partial")
-    if processes.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)  # left by a kill during an earlier save
-    processes.wait_for_everyone()
-    trainer.save(staging, sampler=sampler, extra=extra)
-    if processes.is_main_process:
-        _save_strategy_state(strategy, staging)
-        # A checkpoint left here by a run killed before its row (or the next one within the stage) is stale.
-        shutil.rmtree(target, ignore_errors=True)
-        staging.replace(target)
-    processes.wait_for_everyone()
-
-
-def _save_strategy_state(strategy: Strategy, directory: Path) -> None:
-    """What a strategy carries from one stage to the next (an EWC Fisher, say), if it says so.
-
-    A strategy with ``state_dict() -> dict[str, Tensor]`` and
-    ``load_state_dict(state)`` gets that state saved beside the trainer's
-    (safetensors: tensors only) and restored on resume, so a resumed stage
-    sees what its predecessor's ``after_stage`` left.
-    """
-    state_dict = getattr(strategy, "state_dict", None)
-    if callable(state_dict):
-        from safetensors.torch import save_file
-
-        state = {name: tensor.detach().cpu().contiguous() for name, tensor in state_dict().items()}
-        save_file(state, str(directory / STRATEGY_STATE))
-
-
-def _load_strategy_state(strategy: Strategy, directory: Path) -> None:
-    path = directory / STRATEGY_STATE
-    if path.is_file() and callable(getattr(strategy, "load_state_dict", None)):
-        from safetensors.torch import load_file
-
-        strategy.load_state_dict(load_file(str(path)))
 
 
 def _evaluate(evaluator: Evaluator, trainer: GRPOTrainer, run_dir: RunDir, stage: int,
@@ -563,55 +439,12 @@ def _train_summary(history: list[dict[str, float]]) -> dict[str, Any]:
     }
 
 
-# --- resuming ----------------------------------------------------------------------------------
-
-
-def _resume(run_dir: RunDir, done: int, stages: list[Stage], trainer: GRPOTrainer, strategy: Strategy,
-            experiment: Experiment, start_model: str) -> dict[str, Any] | None:
-    """Take up the checkpoint of stage ``done`` (none after row 0 alone) and say where the run goes on.
-
-    A stage cut short goes on from the checkpoint taken within it (`_StepCheckpoints`, which loads it once
-    the stage's ``before_stage`` has run), or trains again from its start; either way to the same result.
-    Returns what that checkpoint within the next stage says of itself (`_within_stage`), or None.
-    """
-    if done >= 1:
-        _continue_from(run_dir, done, trainer, strategy, experiment, start_model)
-    following = stages[done]  # resuming a run with every stage recorded finishes it before this
-    within = _within_stage(run_dir, following.index) if trainer.masked_trainer.loads_weights_in_place else None
-    where = (f"goes on after its step {len(within['extra']['history'])} of {following.steps}" if within
-             else "trains from its start")
-    console.print(f"resuming {run_dir.path} after stage {done} of {len(stages)}: stage {following.index} {where}")
-    return within
+# --- the run's end -----------------------------------------------------------------------------
 
 
 def _read_plan(run_dir: RunDir) -> dict[str, Any] | None:
     path = run_dir.path / PLAN
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-
-
-def _drop_stale_checkpoints(run_dir: RunDir, done: int) -> None:
-    """Keep every recorded stage's weights, but optimizer (and strategy) state only for the last one.
-
-    Checkpoints of stages after ``done`` were saved without their row being
-    written (a kill before recording), and staging directories are partial
-    saves: both are removed, since that stage is trained again. A checkpoint
-    within a stage is kept only if it is stage ``done + 1``'s, the one that goes on.
-    """
-    root = run_dir.path / "checkpoints"
-    if not root.is_dir():
-        return
-    for path in root.iterdir():
-        if path.name.endswith(".partial"):
-            shutil.rmtree(path, ignore_errors=True)
-    if _within_stage(run_dir, done + 1) is None:  # a checkpoint within a stage that is recorded, or none
-        shutil.rmtree(run_dir.progress_dir(), ignore_errors=True)
-    for stage in range(1, done):
-        for name in (TRAINER_STATE, STRATEGY_STATE):
-            (run_dir.checkpoint_dir(stage) / name).unlink(missing_ok=True)
-    stage = max(done, 0) + 1
-    while run_dir.checkpoint_dir(stage).exists():
-        shutil.rmtree(run_dir.checkpoint_dir(stage))
-        stage += 1
 
 
 def _finish(run_dir: RunDir, processes: PartialState) -> RunResult:
@@ -623,7 +456,7 @@ def _finish(run_dir: RunDir, processes: PartialState) -> RunResult:
     """
     if processes.is_main_process:
         if not run_dir.finished():
-            _drop_stale_checkpoints(run_dir, run_dir.completed_stages())  # a kill may have beaten the cleanup
+            checkpoints.drop_stale(run_dir, run_dir.completed_stages())  # a kill may have beaten the cleanup
             run_dir.mark_finished()
         _write_report(run_dir.path)
     processes.wait_for_everyone()

@@ -312,10 +312,9 @@ def test_checkpoints_within_a_stage_are_spaced_by_checkpoint_minutes(minutes_per
                                                                       tmp_path, monkeypatch):
     """Every 5 minutes: a clock that moves 3 minutes a step saves the stages' ends alone, 6 minutes a step
     after each stage's first step too."""
-    import time
     import types
 
-    import contrail.runner
+    import contrail.checkpoints
 
     clock = {"now": 0.0}
 
@@ -323,8 +322,8 @@ def test_checkpoints_within_a_stage_are_spaced_by_checkpoint_minutes(minutes_per
         clock["now"] += 60.0 * minutes_per_step
         return clock["now"]
 
-    # The runner's clock only: the rest of the process keeps the real one.
-    monkeypatch.setattr(contrail.runner, "time", types.SimpleNamespace(monotonic=tick, perf_counter=time.perf_counter))
+    # The checkpoints' clock only: the rest of the process keeps the real one.
+    monkeypatch.setattr(contrail.checkpoints, "time", types.SimpleNamespace(monotonic=tick))
     calls = count_calls(monkeypatch, GRPOTrainer, "save")
     run(experiment(base_model, tmp_path / "run", checkpoint_minutes=5.0), show_progress=False)
     assert calls["n"] == saves
