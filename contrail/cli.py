@@ -280,6 +280,7 @@ def train_experiment(args: argparse.Namespace):
             strategy=StrategySpec(name="mixture"),
             model=ModelSpec(name=args.model, dtype=args.dtype, device=args.device, warmstart=warm),
             rollout=rollout, grpo=grpo, eval=EvalSpec(k=args.k, batch_episodes=args.batch_episodes),
+            checkpoint_minutes=args.checkpoint_minutes,
         )
     except ValueError as error:
         raise UsageError(str(error)) from None
@@ -479,7 +480,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_train.add_argument("-k", type=_positive, default=2, help="samples per evaluation task")
     p_train.add_argument("--warmstart-episodes", type=int, default=0,
                          help="behaviour-clone this many expert episodes first (cached and reused)")
-    p_train.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p_train.add_argument("--resume", action="store_true",
+                         help="continue an interrupted run in --out from its last checkpoint")
+    p_train.add_argument("--checkpoint-minutes", type=float, default=5.0, metavar="M",
+                         help="checkpoint within training every M minutes, so a killed run loses at most that "
+                              "much (0: after every step; default 5)")
     p_train.add_argument("--force", action="store_true", help="overwrite a run in --out")
     add_rollout_arguments(p_train)
     p_train.set_defaults(max_new_tokens=64, max_episode_tokens=2048, batch_episodes=32)
@@ -491,7 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_run.add_argument("overrides", nargs="*",
                        help="dotted overrides, e.g. grpo.lr=1e-6 strategy=replay (before or after the options)")
     p_run.add_argument("--dry-run", action="store_true", help="print the plan without loading a model")
-    p_run.add_argument("--resume", action="store_true", help="continue interrupted runs from their last recorded stage")
+    p_run.add_argument("--resume", action="store_true",
+                       help="continue interrupted runs from their last checkpoint (a stage's end, or within a stage "
+                            "every checkpoint_minutes)")
     p_run.add_argument("--force", action="store_true", help="overwrite finished or unfinished runs")
     p_run.add_argument("--list", action="store_true",
                        help="print the runs (index, label, run directory) without loading a model")

@@ -184,6 +184,16 @@ def test_train_builds_the_warm_start_run_builds(tmp_path):
     assert from_cli.precision == "auto" and from_cli.epochs == 2
 
 
+def test_train_spaces_its_checkpoints_within_training_by_checkpoint_minutes(capsys, tmp_path):
+    argv = ["train", "--env", "textcraft:easy", "--out", str(tmp_path / "t"), "--device", "cpu"]
+    assert cli.train_experiment(cli.build_parser().parse_args(argv)).checkpoint_minutes == 5.0
+    every_step = cli.build_parser().parse_args([*argv, "--checkpoint-minutes", "0"])
+    assert cli.train_experiment(every_step).checkpoint_minutes == 0.0
+    code, _, err = run_cli(capsys, *argv, "--checkpoint-minutes", "-1")
+    assert_one_line_error(code, err, "checkpoint_minutes must be a finite number >= 0, got -1.0")
+    assert not (tmp_path / "t").exists()  # refused before anything is written
+
+
 def test_eval_writes_results_and_readable_trajectories(capsys, tmp_path):
     tokenizer = tiny_tokenizer()
     tiny_model(tokenizer).save_pretrained(tmp_path / "model")
