@@ -62,6 +62,28 @@ def test_engine_samples_the_updated_weights_after_every_update(trainer):
           f"after it {max_gap(after, trained):.2e}; engine before vs after {max_gap(after, before):.2e}")
 
 
+def test_weights_loaded_in_place_are_what_the_engine_samples(trainer, tmp_path):
+    """A run resumed within a stage loads its checkpoint's weights into the live model
+    (`GRPOTrainer.load_weights`): the engine must sample those, not the weights it last took."""
+    from contrail.policy import Policy
+
+    backend = trainer.policy.backend
+    trainer.masked_trainer.save_model(tmp_path / "checkpoint" / "model")
+    # Saving filled in the model's config (its dtype): still the one engine, not a second one to compile.
+    assert Policy.from_model(trainer.model, trainer.tokenizer, rollout=ROLLOUT).backend.engine is backend.engine
+    trajectories = trainer.collect(tasks(2))
+    fixed = trajectories[0].ids
+    saved = trainer_logprobs(trainer.model, fixed)
+    for index, trajectory in enumerate(trajectories):
+        trajectory.reward = float(index % 2)
+    assert "skipped_update" not in trainer.update(trajectories)
+    moved = backend.sequence_logprobs(fixed)
+    assert max_gap(moved, saved) > 100 * SYNC_TOLERANCE  # the update moved the engine away from the saved weights
+    trainer.load_weights(tmp_path / "checkpoint")
+    assert max_gap(trainer_logprobs(trainer.model, fixed), saved) < SYNC_TOLERANCE  # the trainer has them back ...
+    assert max_gap(backend.sequence_logprobs(fixed), saved) < SYNC_TOLERANCE      # ... and so has the engine
+
+
 def test_multi_turn_rollout_keeps_the_bookkeeping(trainer, tokenizer):
     chat = trainer.policy.chat
     trajectories = rollout(trainer.policy.backend, chat, tasks(32), make_env, ROLLOUT)
