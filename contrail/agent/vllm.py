@@ -230,16 +230,18 @@ def _name_architecture(model) -> None:
 def _engine_for(model, config: VLLMConfig, max_model_len: int, max_num_seqs: int) -> _Engine:
     """The shared engine for this model shape and these settings (built on first use)."""
     _name_architecture(model)  # before the key, so later lookups find the same engine
-    key = (_shape_key(model), json.dumps(asdict(config)), max_model_len, max_num_seqs)
+    key = (_shape_key(model, config.dtype), json.dumps(asdict(config)), max_model_len, max_num_seqs)
     if key not in _ENGINES:
         _ENGINES[key] = _Engine(model, config, max_model_len, max_num_seqs)
     return _ENGINES[key]
 
 
-def _shape_key(model) -> str:
-    """The model's config as JSON, less its dtype: `save_pretrained` fills a missing one in, and the engine
-    runs in `VLLMConfig.dtype` whatever it says, so a checkpoint save must not make a second engine."""
+def _shape_key(model, dtype: str) -> str:
+    """The model's config as JSON, with the dtype the engine runs in (``dtype``, or for ``auto`` the weights')
+    in place of the config's dtype field: `save_pretrained` fills that in when it is missing, and a
+    checkpoint save must not make a second engine."""
     fields = {name: value for name, value in model.config.to_dict().items() if name not in ("dtype", "torch_dtype")}
+    fields["engine_dtype"] = str(model.dtype) if dtype == "auto" else dtype
     return json.dumps(fields, sort_keys=True, default=str)
 
 
