@@ -57,7 +57,7 @@ def _continue_from(run_dir: RunDir, done: int, trainer: GRPOTrainer, strategy: S
                    start_model: str) -> None:
     """Restore what training carries past stage ``done``: optimizer, RNGs, step count, strategy state, KL reference.
 
-    The weights themselves were loaded from the checkpoint (`_load`).
+    The weights themselves were loaded from the checkpoint before the trainer was built (`contrail.runner`).
     """
     checkpoint = run_dir.checkpoint_dir(done)
     trainer.load_state(checkpoint)
