@@ -4,7 +4,9 @@ Every stage ends with a checkpoint in ``checkpoints/stage-XX/`` (weights,
 optimizer, scheduler, RNGs, the task sampler, a strategy's own state); the
 optimizer and strategy state are kept only for the last recorded stage.
 Within a stage, `StepCheckpoints` saves to ``checkpoints/in-progress/`` every
-``checkpoint_minutes``. Each is written to a ``.partial`` directory and
+``checkpoint_minutes``; that one is kept until the stage's row is written, so a
+kill during the stage's evaluation loses no more training than one during the
+stage. Each is written to a ``.partial`` directory and
 renamed into place, so a kill at any moment leaves a checkpoint whole or
 absent, and `resume` takes the run up from the last one to the same result
 as the uninterrupted run (`contrail.runner` says how).

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -342,8 +341,6 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
     strategy.after_stage(stage, trainer)
     checkpoints.save_checkpoint(trainer, strategy, run_dir.checkpoint_dir(stage.index), sampler, processes,
                                 extra={"stage": stage.index})
-    if processes.is_main_process:
-        shutil.rmtree(run_dir.progress_dir(), ignore_errors=True)  # the stage's own checkpoint supersedes it
     with trainer.full_weights():  # the main process evaluates alone: no collectives in its forwards
         if processes.is_main_process:
             evaluating = time.perf_counter()
@@ -352,7 +349,8 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
             moved = tracker.measure() if tracker is not None else None
             _record(run_dir, stage.index, stage.name, list(stage.new), results, _train_summary(history),
                     time.perf_counter() - started, drift_entry=moved, eval_seconds=evaluated - evaluating)
-            # Only now is the previous stage's optimizer state unneeded: a kill before this row resumes from it.
+            # Only now are the previous stage's optimizer state and this stage's checkpoint within it unneeded:
+            # a kill before this row resumes from them (the stage's own checkpoint counts once its row is written).
             checkpoints.drop_stale(run_dir, stage.index)
     processes.wait_for_everyone()
 

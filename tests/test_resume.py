@@ -273,6 +273,8 @@ def test_resume_after_a_kill_reproduces_the_uninterrupted_run(moment, base_model
     ("stage 1 checkpoint write within the stage", "after stage 0 of 2: stage 1 trains from its start"),
     ("stage 2 training, first step", "after stage 1 of 2: stage 2 trains from its start"),
     ("stage 2 training, after its first step", "after stage 1 of 2: stage 2 goes on after its step 1 of 2"),
+    # Killed while evaluating stage 2: its row is not written, so it goes on from its checkpoint within it.
+    ("stage 2 evaluation", "after stage 1 of 2: stage 2 goes on after its step 1 of 2"),
 ])
 def test_a_resume_says_where_the_stage_goes_on(moment, resumed, base_model, tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
