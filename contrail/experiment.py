@@ -256,7 +256,7 @@ class Experiment:
     directory (``${name}`` is replaced by the name). ``label`` names the run's
     group in `contrail.report.compare` (set by `expand_runs`; see `run_label`).
     ``checkpoint_minutes`` spaces the checkpoints taken within a stage
-    (`contrail.runner`); every stage's end is checkpointed too.
+    (`contrail.checkpoints`); every stage's end is checkpointed too.
     """
 
     name: str
