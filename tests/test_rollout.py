@@ -364,6 +364,10 @@ def test_new_parts_of_very_different_lengths_are_prefilled_in_buckets_with_the_s
 
     assert _length_buckets([5, 6, 5, 7]) == [[0, 1, 2, 3]]  # similar lengths: one batch
     assert sorted(map(sorted, _length_buckets([3, 200, 4, 190, 5]))) == [[0, 2, 4], [1, 3]]
+    # four lengths far apart: four buckets, each padded to its own (more than three are looked for)
+    spread = [900, 3, 300, 100, 3, 900, 100, 300]
+    assert sorted(map(sorted, _length_buckets(spread))) == [[0, 5], [1, 4], [2, 7], [3, 6]]
+    assert len(_length_buckets(spread, max_buckets=2)) == 2
     model, _ = random_policy
     config = RolloutConfig(max_new_tokens=4, max_episode_tokens=512, temperature=1.0)
     tasks = easy_tasks(4)
@@ -383,6 +387,30 @@ def test_new_parts_of_very_different_lengths_are_prefilled_in_buckets_with_the_s
     assert [t.ids for t in bucketed] == [t.ids for t in plain]
     for a, b in zip(bucketed, plain):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_length_buckets_are_the_split_forwarding_fewest_tokens():
+    import itertools
+    import random
+
+    from contrail.agent.backend import BUCKET_OVERHEAD, _length_buckets
+
+    def forwarded(lengths, buckets):
+        return sum(len(b) * max(lengths[i] for i in b) + BUCKET_OVERHEAD for b in buckets)
+
+    def fewest(lengths, most):  # every split of the sorted lengths into at most `most` runs
+        ranked, n = sorted(lengths), len(lengths)
+        splits = (c for k in range(most) for c in itertools.combinations(range(1, n), k))
+        return min(sum((end - begin) * ranked[end - 1] + BUCKET_OVERHEAD
+                       for begin, end in itertools.pairwise([0, *cuts, n])) for cuts in splits)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lengths = [rng.choice([rng.randint(1, 20), rng.randint(50, 400)]) for _ in range(rng.randint(1, 9))]
+        most = rng.randint(1, 6)
+        buckets = _length_buckets(lengths, max_buckets=most, min_saving=0.0)
+        assert sorted(i for b in buckets for i in b) == list(range(len(lengths))) and len(buckets) <= most
+        assert forwarded(lengths, buckets) == fewest(lengths, most)
 
 
 def test_per_episode_seeds_make_an_episode_independent_of_its_batch(tokenizer, chat, random_policy):
