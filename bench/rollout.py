@@ -27,6 +27,9 @@
     (contrail's default) against batches in task order, in alternating
     rounds on one loaded model. Each episode draws its own seeded numbers,
     so only rounding in differently shaped batches can part their episodes.
+(h) ``--buckets A,B``: an experiment's whole evaluation with a turn's new
+    parts prefilled in at most A and at most B length buckets
+    (``HFBackend(max_buckets=)``), in alternating rounds on one loaded model.
 
     python bench/rollout.py --quick                       # embedded SmolLM2-135M, a few minutes on 2 cores
     python bench/rollout.py --model tiny                  # random 2-layer model: overheads only
@@ -38,6 +41,8 @@
     python bench/rollout.py --prefill-attention           # (f) a turn's prefill attention, row spans vs SDPA
     python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
         --evaluation-order                                # (g) batches by opening length vs task order
+    python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
+        --buckets 3,6                                     # (h) at most 3 against at most 6 prefill buckets
 """
 
 from __future__ import annotations
@@ -85,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="run (e) only: EXPERIMENT's evaluation batch with stopped rows parked and not")
     parser.add_argument("--evaluation-order", action="store_true",
                         help="with --evaluation, run (g) instead of (e): batches by opening length vs task order")
+    parser.add_argument("--buckets", default=None, metavar="A,B",
+                        help="with --evaluation, run (h) instead of (e): at most A against at most B prefill buckets")
     parser.add_argument("--prefill-attention", action="store_true",
                         help="run (f) only: a prefill's attention, row spans against SDPA's kernel")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -434,6 +441,46 @@ def evaluation_order(policy, args, out) -> dict:
     return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "ratio": ratio, "avg_at_k": scores}
 
 
+# --- (h) prefill buckets ------------------------------------------------------------------------
+
+
+def prefill_buckets(policy, args, out) -> dict:
+    """An experiment's whole evaluation with at most A and at most B prefill buckets, alternating rounds."""
+    from contrail.evaluation import evaluate
+    from contrail.experiment import build_stream, load_experiment
+    from contrail.precision import resolve_precision
+    from contrail.seeds import derive_seed
+    from contrail.stream import env_factory
+
+    counts = [int(count) for count in args.buckets.split(",")]
+    experiment = load_experiment(args.evaluation)
+    stream = build_stream(experiment)
+    tasks = {e.name: e.test_tasks for e in stream.test}
+    bf16 = resolve_precision(experiment.grpo.precision, next(policy.model.parameters()).device) == "bf16"
+    batch = experiment.eval.batch_episodes
+    seconds: dict[int, list[float]] = {count: [] for count in counts}
+    scores: dict[int, dict[str, float]] = {}
+    for _ in range(args.repeats):
+        for count in counts:
+            backend = HFBackend(policy.model, policy.chat.stop_ids, policy.tokenizer.pad_token_id,
+                                autocast_bf16=bf16, max_batch_size=batch, max_buckets=count)
+            start = time.perf_counter()
+            results = evaluate(backend, policy.chat, tasks, env_factory(stream.experiences), k=experiment.eval.k,
+                               config=experiment.eval_rollout, batch_episodes=batch, show_progress=False,
+                               seed=derive_seed(experiment.seed, "eval"))
+            seconds[count].append(time.perf_counter() - start)
+            scores[count] = {name: result.avg_at_k for name, result in results.items()}
+    ratio = median(seconds[counts[-1]]) / median(seconds[counts[0]])
+    episodes = sum(len(t) for t in tasks.values()) * experiment.eval.k
+    rows = [[f"at most {count}", " / ".join(fmt(s, 1) for s in seconds[count]),
+             ", ".join(f"{name} {score:.3f}" for name, score in scores[count].items())] for count in counts]
+    out.print(table(f"(h) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
+                    f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
+                    f"{counts[-1]} / {counts[0]} buckets: {fmt(ratio, 2)}x (medians)",
+                    ["prefill buckets", "seconds", "avg@k"], rows))
+    return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "ratio": ratio, "avg_at_k": scores}
+
+
 # --- (f) a turn's prefill attention ---------------------------------------------------------------
 
 # (rows, new tokens, keys, most left padding): extends of the quickstart's evaluation (SmolLM2-135M, 2-core EPYC)
@@ -524,6 +571,10 @@ def main(argv=None) -> None:
     report = {"machine": info, "args": vars(args)}
     if args.vllm:
         report["vllm_vs_hf"] = vllm_vs_hf(policy, args, out)
+        write_json(args.json, report)
+        return
+    if args.evaluation and args.buckets:
+        report["prefill_buckets"] = prefill_buckets(policy, args, out)
         write_json(args.json, report)
         return
     if args.evaluation and args.evaluation_order:

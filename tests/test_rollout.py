@@ -378,15 +378,26 @@ def test_new_parts_of_very_different_lengths_are_prefilled_in_buckets_with_the_s
             return step if step.done else Step(observation="that is not it . " * 12, valid=step.valid)
 
     make = lambda task: Verbose() if task == tasks[0] else MagicWordEnv()  # noqa: E731
-    results = []
-    for share in (True, False):
-        backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=11, share_prefix=share)
-        results.append(rollout(backend, chat, tasks, make, config))
-    bucketed, plain = results
+    results, prefills, widths = [], [], []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        for options in ({}, {"max_buckets": 1}, {"share_prefix": False}):
+            backend = HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, seed=11, **options)
+            widths.clear()
+            results.append(rollout(backend, chat, tasks, make, config))
+            prefills.append(sum(width > 1 for width in widths))
+    finally:
+        hook.remove()
+    bucketed, one_bucket, plain = results
     assert max(t.turns for t in bucketed) > 1
-    assert [t.ids for t in bucketed] == [t.ids for t in plain]
-    for a, b in zip(bucketed, plain):
-        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert prefills[0] > prefills[1]  # the long rows' next turns were prefilled apart; with max_buckets=1 not
+    for other in (one_bucket, plain):
+        assert [t.ids for t in bucketed] == [t.ids for t in other]
+        for a, b in zip(bucketed, other):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    with pytest.raises(ValueError, match="max_buckets"):
+        HFBackend(model, chat.stop_ids, tokenizer.pad_token_id, max_buckets=0)
 
 
 def test_length_buckets_are_the_split_forwarding_fewest_tokens():

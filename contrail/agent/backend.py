@@ -266,15 +266,21 @@ class HFBackend:
     what it adds, not the whole history. Finished episodes' rows are dropped.
     A fresh batch prefills each distinct prompt once, after the prefix they
     all share (``share_prefix``: a group's identical prompts, an
-    environment's instructions). Sampling uses its own seeded ``torch.Generator``: the same seed and
+    environment's instructions); a turn's new parts of very different lengths
+    are prefilled in up to ``max_buckets`` buckets of similar lengths.
+    Sampling uses its own seeded ``torch.Generator``: the same seed and
     prompts give the same samples. Given per-prompt ``seeds``, each row draws from its own stream
     instead (`row_uniforms`), and its continuation no longer depends on the rest of the batch.
     """
 
     def __init__(self, model, stop_ids: set[int] | frozenset[int], pad_id: int, seed: int = 0,
                  max_batch_size: int = 64, reuse_cache: bool = True, autocast_bf16: bool = False,
-                 share_prefix: bool = True, decode_attention: bool = True, park_stopped: bool = True):
+                 share_prefix: bool = True, decode_attention: bool = True, park_stopped: bool = True,
+                 max_buckets: int = MAX_BUCKETS):
+        if max_buckets < 1:
+            raise ValueError(f"max_buckets must be at least 1, got {max_buckets}")
         self.model = model
+        self.max_buckets = max_buckets  # a turn's new parts are prefilled in at most this many length buckets
         self.park_stopped = park_stopped  # stopped rows leave the decode batch (see `_decode`)
         self.share_prefix = share_prefix  # prefill shared prompt prefixes once (see `_prefill`)
         self.decode_attention = decode_attention  # CPU decode steps attend directly (`contrail.agent.attention`)
@@ -420,7 +426,7 @@ class HFBackend:
         points into can be freed before that last copy.
         """
         new_lengths = [len(p) - len(session.known[row]) for p, (session, row) in zip(prompts, sources)]
-        buckets = _length_buckets(new_lengths) if self.share_prefix else [list(range(len(prompts)))]
+        buckets = _length_buckets(new_lengths, self.max_buckets) if self.share_prefix else [list(range(len(prompts)))]
         unread = collections.Counter(id(session) for session, _ in sources)  # rows still to read, per session
         parts = []
         for bucket in buckets:
