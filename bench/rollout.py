@@ -405,8 +405,12 @@ def parking(policy, args, out) -> dict:
 # --- (g) evaluation batches by opening length ---------------------------------------------------
 
 
-def evaluation_order(policy, args, out) -> dict:
-    """An experiment's whole evaluation, batched by opening length and in task order, alternating rounds."""
+def alternate_evaluations(policy, args, variants: dict) -> tuple[dict, dict, int, int, bool]:
+    """``args.evaluation``'s whole evaluation once per variant in each of ``args.repeats`` rounds, alternating.
+
+    ``variants`` maps a label to ``(backend options, evaluate options)``. Returns the seconds and the
+    avg@k per label, the episodes, the batch size and whether it ran in bf16.
+    """
     from contrail.evaluation import evaluate
     from contrail.experiment import build_stream, load_experiment
     from contrail.precision import resolve_precision
@@ -418,26 +422,37 @@ def evaluation_order(policy, args, out) -> dict:
     tasks = {e.name: e.test_tasks for e in stream.test}
     bf16 = resolve_precision(experiment.grpo.precision, next(policy.model.parameters()).device) == "bf16"
     batch = experiment.eval.batch_episodes
-    seconds: dict[str, list[float]] = {"task order": [], "by opening length": []}
-    scores: dict[str, dict[str, float]] = {}
+    seconds: dict = {label: [] for label in variants}
+    scores: dict = {}
     for _ in range(args.repeats):
-        for label, by_length in (("task order", False), ("by opening length", True)):
+        for label, (backend_options, evaluate_options) in variants.items():
             backend = HFBackend(policy.model, policy.chat.stop_ids, policy.tokenizer.pad_token_id,
-                                autocast_bf16=bf16, max_batch_size=batch)
+                                autocast_bf16=bf16, max_batch_size=batch, **backend_options)
             start = time.perf_counter()
             results = evaluate(backend, policy.chat, tasks, env_factory(stream.experiences), k=experiment.eval.k,
                                config=experiment.eval_rollout, batch_episodes=batch, show_progress=False,
-                               seed=derive_seed(experiment.seed, "eval"), by_opening_length=by_length)
+                               seed=derive_seed(experiment.seed, "eval"), **evaluate_options)
             seconds[label].append(time.perf_counter() - start)
             scores[label] = {name: result.avg_at_k for name, result in results.items()}
-    ratio = median(seconds["by opening length"]) / median(seconds["task order"])
     episodes = sum(len(t) for t in tasks.values()) * experiment.eval.k
-    rows = [[label, " / ".join(fmt(s, 1) for s in seconds[label]),
+    return seconds, scores, episodes, batch, bf16
+
+
+def _evaluation_rows(seconds: dict, scores: dict) -> list[list[str]]:
+    return [[label, " / ".join(fmt(s, 1) for s in seconds[label]),
              ", ".join(f"{name} {score:.3f}" for name, score in scores[label].items())] for label in seconds]
+
+
+def evaluation_order(policy, args, out) -> dict:
+    """An experiment's whole evaluation, batched by opening length and in task order, alternating rounds."""
+    variants = {"task order": ({}, {"by_opening_length": False}),
+                "by opening length": ({}, {"by_opening_length": True})}
+    seconds, scores, episodes, batch, bf16 = alternate_evaluations(policy, args, variants)
+    ratio = median(seconds["by opening length"]) / median(seconds["task order"])
     out.print(table(f"(g) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
                     f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
                     f"by opening length / task order: {fmt(ratio, 2)}x (medians)",
-                    ["batches", "seconds", "avg@k"], rows))
+                    ["batches", "seconds", "avg@k"], _evaluation_rows(seconds, scores)))
     return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "ratio": ratio, "avg_at_k": scores}
 
 
@@ -446,38 +461,14 @@ def evaluation_order(policy, args, out) -> dict:
 
 def prefill_buckets(policy, args, out) -> dict:
     """An experiment's whole evaluation with at most A and at most B prefill buckets, alternating rounds."""
-    from contrail.evaluation import evaluate
-    from contrail.experiment import build_stream, load_experiment
-    from contrail.precision import resolve_precision
-    from contrail.seeds import derive_seed
-    from contrail.stream import env_factory
-
     counts = [int(count) for count in args.buckets.split(",")]
-    experiment = load_experiment(args.evaluation)
-    stream = build_stream(experiment)
-    tasks = {e.name: e.test_tasks for e in stream.test}
-    bf16 = resolve_precision(experiment.grpo.precision, next(policy.model.parameters()).device) == "bf16"
-    batch = experiment.eval.batch_episodes
-    seconds: dict[int, list[float]] = {count: [] for count in counts}
-    scores: dict[int, dict[str, float]] = {}
-    for _ in range(args.repeats):
-        for count in counts:
-            backend = HFBackend(policy.model, policy.chat.stop_ids, policy.tokenizer.pad_token_id,
-                                autocast_bf16=bf16, max_batch_size=batch, max_buckets=count)
-            start = time.perf_counter()
-            results = evaluate(backend, policy.chat, tasks, env_factory(stream.experiences), k=experiment.eval.k,
-                               config=experiment.eval_rollout, batch_episodes=batch, show_progress=False,
-                               seed=derive_seed(experiment.seed, "eval"))
-            seconds[count].append(time.perf_counter() - start)
-            scores[count] = {name: result.avg_at_k for name, result in results.items()}
-    ratio = median(seconds[counts[-1]]) / median(seconds[counts[0]])
-    episodes = sum(len(t) for t in tasks.values()) * experiment.eval.k
-    rows = [[f"at most {count}", " / ".join(fmt(s, 1) for s in seconds[count]),
-             ", ".join(f"{name} {score:.3f}" for name, score in scores[count].items())] for count in counts]
+    variants = {f"at most {count}": ({"max_buckets": count}, {}) for count in counts}
+    seconds, scores, episodes, batch, bf16 = alternate_evaluations(policy, args, variants)
+    ratio = median(seconds[f"at most {counts[-1]}"]) / median(seconds[f"at most {counts[0]}"])
     out.print(table(f"(h) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
                     f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
                     f"{counts[-1]} / {counts[0]} buckets: {fmt(ratio, 2)}x (medians)",
-                    ["prefill buckets", "seconds", "avg@k"], rows))
+                    ["prefill buckets", "seconds", "avg@k"], _evaluation_rows(seconds, scores)))
     return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "ratio": ratio, "avg_at_k": scores}
 
 
