@@ -456,7 +456,7 @@ def test_checkpoints_are_tensors_and_json_and_a_crafted_pickle_is_refused(tmp_pa
     assert marker.exists()
 
 
-@pytest.mark.parametrize("checkpointing, lora", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("checkpointing, lora", [(False, False), (False, True), (True, False), (True, True)])
 def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work(checkpointing, lora):
     if checkpointing and not checkpointed_prefix.supported():
         pytest.skip("this transformers drops a checkpointed layer's cache")
@@ -466,28 +466,33 @@ def test_sharing_a_groups_prompt_in_the_update_changes_nothing_but_the_work(chec
     for index, trajectory in enumerate(trajectories):
         trajectory.reward = float(index % 2)  # every group has signal
     results = []
-    for share in (True, False):
-        config = GRPOConfig(lr=1e-2, group_size=4, tasks_per_step=2, share_prefix=share, ppo_epochs=2,
+    # The group's prompt forwarded once and the rows after it packed without padding (the default on a CPU
+    # without checkpointing), the rows padded, and nothing shared.
+    for share, pack in ((True, True), (True, False), (False, False)):
+        config = GRPOConfig(lr=1e-2, group_size=4, tasks_per_step=2, share_prefix=share, pack_rows=pack, ppo_epochs=2,
                             gradient_checkpointing=checkpointing, lora=lora)
         trainer = grpo(tiny_model(tokenizer, seed=3), tokenizer, config)
-        prefixes: list[int] = []
+        batches: list[tuple[int, bool]] = []
 
-        def record_prefix(model, batch, logprobs, seen=prefixes):
-            seen.append(batch.shared_prefix)
+        def record_batch(model, batch, logprobs, seen=batches):
+            seen.append((batch.shared_prefix, batch.packed))
             return logprobs.sum() * 0, {}
 
-        trainer.add_loss_term(record_prefix)
+        trainer.add_loss_term(record_batch)
         stats = trainer.update(trajectories)
         weights = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-        results.append((stats, weights, prefixes))
-    (shared, shared_weights, shared_prefixes), (plain, plain_weights, plain_prefixes) = results
-    assert min(shared_prefixes) >= 16 and set(plain_prefixes) == {0}  # the group's prompt was forwarded once
-    assert shared["loss"] == pytest.approx(plain["loss"], abs=1e-5)
-    assert shared["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
-    # Adam at lr 1e-2 divides each gradient by its own scale, so a weight whose gradient is near rounding
-    # size moves by a rounding-decided step: differences of ~1e-5 (LoRA), and on some CPUs one full
-    # fine-tuning weight in 20k at 3.8e-5. A wrong shared prefix moves the loss and the weights by far more.
-    torch.testing.assert_close(shared_weights, plain_weights, rtol=0, atol=5e-5)
+        results.append((stats, weights, batches))
+    plain_stats, plain_weights, plain_batches = results[-1]
+    assert set(plain_batches) == {(0, False)}
+    for (stats, weights, batches), packs in zip(results[:2], (not checkpointing, False)):
+        assert min(prefix for prefix, _ in batches) >= 16  # the group's prompt was forwarded once
+        assert {packed for _, packed in batches} == {packs}
+        assert stats["loss"] == pytest.approx(plain_stats["loss"], abs=1e-5)
+        assert stats["grad_norm"] == pytest.approx(plain_stats["grad_norm"], rel=1e-4)
+        # Adam at lr 1e-2 divides each gradient by its own scale, so a weight whose gradient is near rounding
+        # size moves by a rounding-decided step: differences of ~1e-5 (LoRA), and on some CPUs one full
+        # fine-tuning weight in 20k at 3.8e-5. A wrong shared prefix moves the loss and the weights by far more.
+        torch.testing.assert_close(weights, plain_weights, rtol=0, atol=5e-5)
 
 
 def test_a_vllm_trainer_and_its_evaluator_ask_for_the_same_engine(monkeypatch):

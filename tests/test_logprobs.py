@@ -378,3 +378,52 @@ def test_positions_through_a_lora_model(tiny_llama):
             sequence_logprobs(model, ids, attention, start=7, positions=positions)))
     assert seen == [int(positions.sum())]  # the head, found through PEFT's wrappers, ran for those tokens only
     torch.testing.assert_close(selected[0], plain * positions, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("entropy", [False, True])
+def test_packed_rows_give_the_padded_forward_values_and_gradients(tiny_llama, entropy):
+    ids, attention = _shared_prefix_batch(lengths=(13, 8, 12, 7))
+    wanted = attention.clone()
+    wanted[:, :7] = 0  # the loss's tokens: the rows' own, from position 7
+    fed = []
+    hook = tiny_llama.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    results = []
+    try:
+        for packed in (False, True):
+            tiny_llama.zero_grad(set_to_none=True)
+            fed.clear()
+            out = sequence_logprobs(tiny_llama, ids, attention, start=7, return_entropy=entropy, shared_prefix=6,
+                                    positions=wanted, packed=packed)
+            values = out if not entropy else out[0] + out[1]
+            (values * torch.linspace(0.5, 1.5, ids.shape[1])).sum().backward()
+            results.append((values.detach(), {n: p.grad.clone() for n, p in tiny_llama.named_parameters()},
+                            list(fed)))
+    finally:
+        hook.remove()
+        tiny_llama.zero_grad(set_to_none=True)
+    (padded, padded_grads, padded_fed), (packed, packed_grads, packed_fed) = results
+    assert padded_fed == [(1, 6), (4, 13 - 6)]
+    assert packed_fed == [(1, 6), (1, (13 + 8 + 12 + 7) - 4 * 6)]  # the rows' own tokens end to end, no padding
+    assert bool((packed[wanted == 0] == 0).all()) and bool((packed[wanted == 1] != 0).all())
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_rows_fall_back_to_padding_where_sdpa_is_not_the_attention(tiny_llama, monkeypatch):
+    ids, attention = _shared_prefix_batch()
+    wanted = attention.clone()
+    wanted[:, :7] = 0
+    monkeypatch.setattr(tiny_llama.config, "_attn_implementation", "eager")
+    fed = []
+    hook = tiny_llama.register_forward_pre_hook(
+        lambda module, args, kwargs: fed.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        eager = sequence_logprobs(tiny_llama, ids, attention, start=7, shared_prefix=6, positions=wanted, packed=True)
+    finally:
+        hook.remove()
+    assert fed == [(1, 6), (3, 13 - 6)]  # padded: packed rows need SDPA's kernel per row
+    monkeypatch.undo()
+    packed = sequence_logprobs(tiny_llama, ids, attention, start=7, shared_prefix=6, positions=wanted, packed=True)
+    torch.testing.assert_close(packed, eager, rtol=0, atol=1e-5)

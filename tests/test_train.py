@@ -376,3 +376,25 @@ def test_pack_by_prompt_keeps_environments_apart_when_that_forwards_fewer_tokens
     for group in groups:
         assert len({samples[i].ids[0] for i in group}) == 1
         assert shared_prefix_length([samples[i] for i in group]) == 40
+
+
+def test_pack_by_prompt_packed_counts_each_rows_own_tokens_and_keeps_groups_whole():
+    # Two groups (a 1-turn success beside 3-turn failures), prompts sharing their first 50 of 60 ids.
+    def episode(task, own):
+        prompt = [1] * 50 + [task] * 10
+        return Sample(prompt + [7] * own, [0] * 60 + [1] * own)
+
+    samples = [episode(task, own) for task in (2, 3) for own in (5, 5, 5, 90)]
+    padded = pack_by_prompt(samples, budget=10_000)
+    packed = pack_by_prompt(samples, budget=10_000, packed=True)
+    assert sorted(i for g in packed for i in g) == list(range(len(samples)))
+    # Padded, a long episode would cost its group's other rows 85 pads each: it is forwarded alone.
+    assert sorted(map(len, padded)) == [1, 1, 3, 3]
+    # Packed, each group is one micro-batch forwarding its prompt once (59 ids; each row's own 6, 6, 6, 91), and the
+    # groups stay apart: together they would forward the 10 ids they do not share once per row (their first
+    # rows, one at a time, would have joined: each costs its own ids either way).
+    assert sorted(sorted(g) for g in packed) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    for group in packed:
+        assert shared_prefix_length([samples[i] for i in group]) == 59
+    # The budget still bounds a micro-batch's forwarded tokens, counted without padding.
+    assert [len(g) for g in pack_by_prompt(samples[:4], budget=59 + 3 * 6, packed=True)] == [3, 1]

@@ -390,7 +390,7 @@ class GRPOTrainer:
         # Logits only where they predict a sampled token: the prompt's and the observations' would be discarded.
         logprobs, entropy = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
                                               return_entropy=True, shared_prefix=batch.shared_prefix,
-                                              positions=batch.loss_mask)
+                                              positions=batch.loss_mask, packed=batch.packed)
         samples: list[GRPOSample] = batch.samples  # type: ignore[assignment]
         # With a single update the ratio is exactly 1 at this point (as TRL does): no extra forward.
         old = logprobs.detach() if self._single_update else padded([s.old_logprobs for s in samples], batch)
@@ -445,8 +445,8 @@ class GRPOTrainer:
             for field, model in models:
                 with self.masked_trainer.autocast(), self._reference_context(field):
                     logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
-                                                 shared_prefix=batch.shared_prefix,
-                                                 positions=batch.loss_mask).float().cpu()
+                                                 shared_prefix=batch.shared_prefix, positions=batch.loss_mask,
+                                                 packed=batch.packed).float().cpu()
                 for row, index in enumerate(group):
                     setattr(samples[index], field, logprobs[row, : len(samples[index].ids)].clone())
 

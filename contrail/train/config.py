@@ -32,6 +32,8 @@ class TrainConfig:
     gradient_checkpointing: bool = False
     # Forward the ids a micro-batch's rows share (a GRPO group's prompt) once; exact up to rounding.
     share_prefix: bool = True
+    # On a CPU, forward the rows after that prefix end to end, without padding (`contrail.train.packed_rows`).
+    pack_rows: bool = True
     lora: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
@@ -49,6 +51,7 @@ class TrainConfig:
         check_choice("precision", self.precision, PRECISIONS)
         check_bool("gradient_checkpointing", self.gradient_checkpointing)
         check_bool("share_prefix", self.share_prefix)
+        check_bool("pack_rows", self.pack_rows)
         check_bool("lora", self.lora)
         check_int("lora_r", self.lora_r, low=1)
         check_number("lora_alpha", self.lora_alpha, low=0.0, low_open=True)

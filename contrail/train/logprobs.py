@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from contrail.models import forward_accepts, output_head
-from contrail.train import checkpointed_prefix
+from contrail.train import checkpointed_prefix, packed_rows
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "logprobs_and_entropy", "selective_logprobs", "sequence_logprobs", "token_entropy"]
 
@@ -108,6 +108,7 @@ def sequence_logprobs(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     shared_prefix: int = 0,
     positions: torch.Tensor | None = None,
+    packed: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of every token of ``input_ids`` under a causal LM, one forward pass.
 
@@ -149,6 +150,11 @@ def sequence_logprobs(
             over the observations between an episode's turns; every other
             position holds 0. Models without ``get_output_embeddings()``
             score every position from ``start`` on and are masked after.
+        packed: with ``shared_prefix`` and ``positions``, forward the rows'
+            own tokens end to end after the prefix, without padding
+            (`contrail.train.packed_rows`), where the model attends through
+            SDPA on a CPU and is not checkpointing; elsewhere it is ignored.
+            Same result up to rounding.
 
     Returns:
         ``logprobs`` ``(batch, L)`` fp32, or ``(logprobs, entropies)``.
@@ -182,19 +188,23 @@ def sequence_logprobs(
         stats = _token_stats(logits, input_ids[:, start:], return_entropy, chunk_size)
     else:
         stats = _stats_where(model, head, input_ids, attention_mask, shared_prefix, start, valid, return_entropy,
-                             chunk_size)
+                             chunk_size, packed)
     placed = tuple(_place(values, valid, start, length) for values in stats)
     return placed if return_entropy else placed[0]
 
 
 def _stats_where(model, head: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  shared_prefix: int, start: int, wanted: torch.Tensor, entropy: bool,
-                 chunk_size: int) -> tuple[torch.Tensor, ...]:
+                 chunk_size: int, packed: bool = False) -> tuple[torch.Tensor, ...]:
     """`_token_stats` of the tokens ``wanted`` (``(batch, L - start)``), 0 elsewhere; the head runs only for them."""
     rows, columns = wanted.nonzero(as_tuple=True)
     length = input_ids.shape[1]
-    gathering = _head_at(head, rows, columns + (start - 1), length)  # the positions predicting the wanted tokens
-    logits = _forward_logits(model, input_ids, attention_mask, shared_prefix, length - start + 1, gathering)
+    predicting = columns + (start - 1)  # the positions predicting the wanted tokens
+    if packed and shared_prefix and _packs_rows(model):
+        logits = _packed_rows_logits(model, head, input_ids, attention_mask, shared_prefix, rows, predicting)
+    else:
+        gathering = _head_at(head, rows, predicting, length)
+        logits = _forward_logits(model, input_ids, attention_mask, shared_prefix, length - start + 1, gathering)
     stats = _token_stats(logits, input_ids[rows, columns + start], entropy, chunk_size)
     return tuple(values.new_zeros(wanted.shape).index_put((rows, columns), values) for values in stats)
 
@@ -284,6 +294,42 @@ def _shared_prefix_logits(model, input_ids: torch.Tensor, prefix: int, keep: int
               "use_cache": not layers}
     with checkpointed_prefix.reading_cache_under_checkpointing(layers), gathering:
         return model(**_keep_logits(model, kwargs, keep)).logits
+
+
+def _packs_rows(model) -> bool:
+    """Whether the rows after a shared prefix can be forwarded packed (`contrail.train.packed_rows`)."""
+    checkpointing = torch.is_grad_enabled() and model.training and checkpointed_prefix.checkpointing_modules(model)
+    return packed_rows.supports(model) and not checkpointing
+
+
+def _packed_rows_logits(model, head: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                        prefix: int, rows: torch.Tensor, predicting: torch.Tensor) -> torch.Tensor:
+    """The head's logits at ``(rows, predicting)``, the rows' shared first ``prefix`` ids forwarded once and
+    their own tokens after it end to end, without padding (`contrail.train.packed_rows`).
+
+    Rows are right-padded, so row ``r``'s own tokens are positions ``prefix``
+    to its length; each keeps its position id.
+    """
+    lengths = attention_mask.sum(-1).tolist()
+    own = [length - prefix for length in lengths]
+    starts = torch.tensor([0, *own[:-1]], device=input_ids.device).cumsum(0)  # each row's first packed index
+    packed = torch.cat([input_ids[row, prefix:length] for row, length in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(prefix, length, device=input_ids.device) for length in lengths])[None]
+    head_out = model(**_keep_logits(model, {"input_ids": input_ids[:1, :prefix], "use_cache": True}, 1))
+    cache = head_out.cache if getattr(head_out, "cache", None) is not None else head_out.past_key_values
+    cache_arg = "cache" if forward_accepts(model, "cache") else "past_key_values"
+    index = starts[rows] + predicting - prefix  # where each wanted position lies among the packed tokens
+
+    def gather(module, args):
+        return (args[0][0, index], *args[1:])
+
+    handle = head.register_forward_pre_hook(gather)
+    try:
+        with packed_rows.packed_layout(model, prefix, own):
+            kwargs = {"input_ids": packed, "position_ids": positions, cache_arg: cache, "use_cache": True}
+            return model(**_keep_logits(model, kwargs, 0)).logits
+    finally:
+        handle.remove()
 
 
 def _keep_logits(model, kwargs: dict, keep: int) -> dict:

@@ -86,6 +86,7 @@ class Batch:
     loss_mask: torch.Tensor
     samples: list[Sample]
     shared_prefix: int = 0  # leading ids every row shares, forwarded once (``sequence_logprobs(shared_prefix=)``)
+    packed: bool = False  # rows after the shared prefix forwarded without padding (``sequence_logprobs(packed=)``)
 
     @property
     def start(self) -> int:
@@ -152,7 +153,7 @@ def _common_length(a: list[int], b: list[int], limit: int) -> int:
     return max(0, min(limit, len(a), len(b)))
 
 
-def pack_by_prompt(samples: list[Sample], budget: int) -> list[list[int]]:
+def pack_by_prompt(samples: list[Sample], budget: int, packed: bool = False) -> list[list[int]]:
     """Micro-batches that keep samples with the same prompt together, within ``budget`` forwarded tokens.
 
     Samples are ordered by their prompt (the ids before their first trained
@@ -163,39 +164,54 @@ def pack_by_prompt(samples: list[Sample], budget: int) -> list[list[int]]:
     `pack_by_tokens`. A sample starts a new micro-batch when joining would
     forward more tokens than keeping it apart (its prompt shares little with
     the micro-batch's: a demonstration of another environment).
+
+    ``packed``: the rows after the shared prefix are forwarded without
+    padding (`contrail.train.packed_rows`), so a row costs its own tokens,
+    not the micro-batch's widest. A new prompt's samples then join or stay
+    apart together: one at a time, the first would join (it costs its own
+    tokens either way), and its group would then forward its prompt once
+    per row past the shorter prefix it shares with the micro-batch.
     """
     prompts = [tuple(s.ids[:_first_trained(s)]) for s in samples]
     order = sorted(range(len(samples)), key=lambda i: (prompts[i], len(samples[i].ids)))
     groups: list[list[int]] = []
     current: list[int] = []
-    shared = width = 0  # the current micro-batch's shared ids (before the MIN_SHARED_PREFIX cut) and width
-    for index in order:
+    shared = 0  # the current micro-batch's shared ids (before the MIN_SHARED_PREFIX cut)
+    for position, index in enumerate(order):
         sample = samples[index]
         if current:
             first = samples[current[0]]
             grown_shared = _common_length(first.ids, sample.ids, min(shared, _first_trained(sample) - 1))
-            grown_width = max(width, len(sample.ids))
-            joined = _forwarded(grown_shared, len(current) + 1, grown_width)
-            apart = _forwarded(shared, len(current), width) + len(sample.ids)
-            if joined <= budget and joined <= apart:
+            members = [samples[i] for i in current]
+            coming = [sample]  # what joins or stays apart now
+            if packed and prompts[index] != prompts[current[-1]]:
+                coming = [samples[i] for i in order[position:] if prompts[i] == prompts[index]]
+            joined = _forwarded(grown_shared, [*members, *coming], packed)
+            apart = _forwarded(shared, members, packed) + _forwarded(_first_trained(sample) - 1, coming, packed)
+            if _forwarded(grown_shared, [*members, sample], packed) <= budget and joined <= apart:
                 current.append(index)
-                shared, width = grown_shared, grown_width
+                shared = grown_shared
                 continue
             groups.append(current)
-        current, shared, width = [index], _first_trained(sample) - 1, len(sample.ids)
+        current, shared = [index], _first_trained(sample) - 1
     if current:
         groups.append(current)
     return groups
 
 
-def _forwarded(shared: int, rows: int, width: int) -> int:
-    """Tokens a micro-batch of ``rows`` rows padded to ``width`` forwards, its shared prefix counted once."""
+def _forwarded(shared: int, rows: list[Sample], packed: bool = False) -> int:
+    """Tokens a micro-batch of ``rows`` forwards, its shared prefix counted once: padded to its widest row, or
+    each row's own tokens when ``packed``."""
     kept = shared if shared >= MIN_SHARED_PREFIX else 0
-    return kept + rows * (width - kept)
+    if packed and kept:
+        return kept + sum(len(row.ids) - kept for row in rows)
+    return kept + len(rows) * (max(len(row.ids) for row in rows) - kept)
 
 
-def collate(samples: list[Sample], pad_id: int, device: torch.device, share_prefix: bool = False) -> Batch:
-    """Right-padded tensors of ``samples``; with ``share_prefix``, the rows' shared prefix is marked."""
+def collate(samples: list[Sample], pad_id: int, device: torch.device, share_prefix: bool = False,
+            packed: bool = False) -> Batch:
+    """Right-padded tensors of ``samples``; with ``share_prefix``, the rows' shared prefix is marked (and with
+    ``packed``, forwarding the rows after it without padding asked for)."""
     width = max(len(s.ids) for s in samples)
     input_ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(samples), width), dtype=torch.long)
@@ -206,7 +222,8 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device, share_pref
         attention[row, :n] = 1
         loss_mask[row, :n] = torch.tensor(sample.mask, dtype=torch.float32)
     shared = shared_prefix_length(samples) if share_prefix else 0
-    return Batch(input_ids.to(device), attention.to(device), loss_mask.to(device), samples, shared_prefix=shared)
+    return Batch(input_ids.to(device), attention.to(device), loss_mask.to(device), samples, shared_prefix=shared,
+                 packed=packed and shared > 0)
 
 
 def _apply_lora(model, config: TrainConfig):
@@ -333,15 +350,26 @@ class MaskedTokenTrainer:
         checkpointing_ok = not config.gradient_checkpointing or checkpointed_prefix.supported()
         return config.share_prefix and self.accelerator.num_processes == 1 and checkpointing_ok
 
+    @property
+    def pack_rows(self) -> bool:
+        """Whether the rows after a micro-batch's shared prefix are forwarded without padding
+        (``config.pack_rows``, with `share_prefix`, on a model attending through SDPA on a CPU, not
+        checkpointing: `contrail.train.packed_rows`)."""
+        from contrail.train import packed_rows
+
+        return (self.config.pack_rows and self.share_prefix and not self.config.gradient_checkpointing
+                and packed_rows.supports(self.accelerator.unwrap_model(self.model)))
+
     def micro_batches(self, samples: list[Sample]) -> list[list[int]]:
         """``samples``' indices packed into micro-batches of at most ``micro_batch_tokens`` forwarded tokens."""
         if self.share_prefix:
-            return pack_by_prompt(samples, self.config.micro_batch_tokens)
+            return pack_by_prompt(samples, self.config.micro_batch_tokens, packed=self.pack_rows)
         return pack_by_tokens([len(s.ids) for s in samples], self.config.micro_batch_tokens)
 
     def collate(self, samples: list[Sample]) -> Batch:
         """One micro-batch on the training device (its shared prefix marked when `share_prefix`)."""
-        return collate(samples, self.tokenizer.pad_token_id, self.accelerator.device, share_prefix=self.share_prefix)
+        return collate(samples, self.tokenizer.pad_token_id, self.accelerator.device, share_prefix=self.share_prefix,
+                       packed=self.pack_rows)
 
     def _all_finite(self, loss: float, grad_norm: float) -> bool:
         """Whether the loss and gradient are finite on every process (all skip together)."""
@@ -742,7 +770,7 @@ def cross_entropy_loss(model, batch: Batch, normalizer: float) -> tuple[torch.Te
     from contrail.train.logprobs import sequence_logprobs
 
     logprobs = sequence_logprobs(model, batch.input_ids, batch.attention_mask, start=batch.start,
-                                 shared_prefix=batch.shared_prefix, positions=batch.loss_mask)
+                                 shared_prefix=batch.shared_prefix, positions=batch.loss_mask, packed=batch.packed)
     mask = batch.loss_mask
     nll = -(torch.where(mask > 0, logprobs, torch.zeros_like(logprobs))).sum()
     tokens = float(mask.sum())
