@@ -427,3 +427,21 @@ def test_packed_rows_fall_back_to_padding_where_sdpa_is_not_the_attention(tiny_l
     monkeypatch.undo()
     packed = sequence_logprobs(tiny_llama, ids, attention, start=7, shared_prefix=6, positions=wanted, packed=True)
     torch.testing.assert_close(packed, eager, rtol=0, atol=1e-5)
+
+
+def test_packed_rows_only_replace_plain_sdpa_attention(tiny_llama, monkeypatch):
+    from contrail.train import packed_rows
+
+    assert packed_rows.supports(tiny_llama)
+    # Qwen2's configs carry a window they do not use.
+    monkeypatch.setattr(tiny_llama.config, "sliding_window", 4096, raising=False)
+    monkeypatch.setattr(tiny_llama.config, "use_sliding_window", False, raising=False)
+    assert packed_rows.supports(tiny_llama)
+    monkeypatch.setattr(tiny_llama.config, "use_sliding_window", True)
+    assert not packed_rows.supports(tiny_llama)  # the per-row calls would attend past the window
+    monkeypatch.undo()
+    monkeypatch.setattr(tiny_llama.config, "attention_dropout", 0.1)
+    assert not packed_rows.supports(tiny_llama)
+    monkeypatch.undo()
+    monkeypatch.setattr(tiny_llama.config, "attn_logit_softcapping", 50.0, raising=False)
+    assert not packed_rows.supports(tiny_llama)

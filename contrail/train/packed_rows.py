@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 IMPLEMENTATION = "contrail_packed_rows"
+# Attention arguments the row-by-row SDPA calls do not apply (a model whose config sets them keeps padded rows).
+UNSUPPORTED = ("softcap", "sliding_window", "position_bias")
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,14 @@ def packed_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value:
     not read. Returns ``(output (1, S, H, D), None)`` as SDPA's path does.
     """
     layout = _LAYOUT.get()
-    if layout is None or dropout > 0 or kwargs.get("softcap") is not None:
+    if layout is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
+    unsupported = {"dropout": dropout or None, **{name: kwargs.get(name) for name in UNSUPPORTED}}
+    if any(value is not None for value in unsupported.values()):  # `supports` should have kept such a model away
+        raise NotImplementedError(f"packed rows: attention with {unsupported}")
     prefix = layout.prefix
     if query.shape[0] != 1 or query.shape[2] != sum(layout.lengths) or key.shape[2] != prefix + query.shape[2]:
         raise ValueError(f"packed rows: query {tuple(query.shape)} and key {tuple(key.shape)} do not match "
@@ -98,10 +103,15 @@ def register() -> str:
 
 
 def supports(model) -> bool:
-    """Whether ``model`` attends through SDPA on a CPU, where packed rows replace its padded forward."""
+    """Whether ``model`` attends through SDPA on a CPU, with plain attention (no dropout, window or soft-capping),
+    where packed rows replace its padded forward."""
     config = getattr(model, "config", None)
-    device = next(model.parameters()).device
-    return config is not None and getattr(config, "_attn_implementation", None) == "sdpa" and device.type == "cpu"
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    plain = (not getattr(config, "attention_dropout", 0.0) and window is None
+             and getattr(config, "attn_logit_softcapping", None) is None)
+    return plain and next(model.parameters()).device.type == "cpu"
 
 
 @contextlib.contextmanager
