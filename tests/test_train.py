@@ -398,3 +398,16 @@ def test_pack_by_prompt_packed_counts_each_rows_own_tokens_and_keeps_groups_whol
         assert shared_prefix_length([samples[i] for i in group]) == 59
     # The budget still bounds a micro-batch's forwarded tokens, counted without padding.
     assert [len(g) for g in pack_by_prompt(samples[:4], budget=59 + 3 * 6, packed=True)] == [3, 1]
+
+
+def test_pack_by_prompt_packed_keeps_an_environments_demonstrations_apart_from_another_sharing_a_header():
+    # Demonstrations open with a chat header every environment shares (20 ids), then their environment's
+    # instructions (40 ids), a task (5 ids) and 10 trained ids: one of environment 1, three of environment 2.
+    def demo(env, task):
+        return Sample([9] * 20 + [env] * 40 + [task] * 5 + [7] * 10, [0] * 65 + [1] * 10)
+
+    samples = [demo(1, 11), demo(2, 11), demo(2, 12), demo(2, 13)]
+    groups = pack_by_prompt(samples, budget=10_000, packed=True)
+    # Joined, all four would share only the header: 20 + 4 * 55 = 240 ids. Apart: 75, and 60 + 3 * 15 = 105.
+    assert sorted(sorted(g) for g in groups) == [[0], [1, 2, 3]]
+    assert shared_prefix_length([samples[i] for i in groups[-1]]) == 60

@@ -167,10 +167,11 @@ def pack_by_prompt(samples: list[Sample], budget: int, packed: bool = False) -> 
 
     ``packed``: the rows after the shared prefix are forwarded without
     padding (`contrail.train.packed_rows`), so a row costs its own tokens,
-    not the micro-batch's widest. A new prompt's samples then join or stay
-    apart together: one at a time, the first would join (it costs its own
-    tokens either way), and its group would then forward its prompt once
-    per row past the shorter prefix it shares with the micro-batch.
+    not the micro-batch's widest. The samples that share more with the next
+    one than with the micro-batch (its group, its environment's other
+    demonstrations) then join or stay apart together: one at a time, the
+    first would join (it costs its own tokens either way), and the rest
+    would forward what they share with it once per row.
     """
     prompts = [tuple(s.ids[:_first_trained(s)]) for s in samples]
     order = sorted(range(len(samples)), key=lambda i: (prompts[i], len(samples[i].ids)))
@@ -183,11 +184,9 @@ def pack_by_prompt(samples: list[Sample], budget: int, packed: bool = False) -> 
             first = samples[current[0]]
             grown_shared = _common_length(first.ids, sample.ids, min(shared, _first_trained(sample) - 1))
             members = [samples[i] for i in current]
-            coming = [sample]  # what joins or stays apart now
-            if packed and prompts[index] != prompts[current[-1]]:
-                coming = [samples[i] for i in order[position:] if prompts[i] == prompts[index]]
+            coming = _coming(samples, order[position:], grown_shared) if packed else [sample]
             joined = _forwarded(grown_shared, [*members, *coming], packed)
-            apart = _forwarded(shared, members, packed) + _forwarded(_first_trained(sample) - 1, coming, packed)
+            apart = _forwarded(shared, members, packed) + _forwarded(shared_prefix_length(coming), coming, packed)
             if _forwarded(grown_shared, [*members, sample], packed) <= budget and joined <= apart:
                 current.append(index)
                 shared = grown_shared
@@ -197,6 +196,17 @@ def pack_by_prompt(samples: list[Sample], budget: int, packed: bool = False) -> 
     if current:
         groups.append(current)
     return groups
+
+
+def _coming(samples: list[Sample], order: list[int], shared: int) -> list[Sample]:
+    """``samples[order[0]]`` and the samples after it in ``order`` that share more than ``shared`` ids with it."""
+    first = samples[order[0]]
+    coming = [first]
+    for index in order[1:]:
+        if _common_length(first.ids, samples[index].ids, _first_trained(first) - 1) <= shared:
+            break
+        coming.append(samples[index])
+    return coming
 
 
 def _forwarded(shared: int, rows: list[Sample], packed: bool = False) -> int:
