@@ -281,19 +281,28 @@ def _shared_prefix_logits(model, input_ids: torch.Tensor, prefix: int, keep: int
         raise ValueError("shared_prefix under gradient checkpointing needs a transformers whose checkpointed layers "
                          "can keep a read-only cache (GradientCheckpointingLayer._can_checkpoint_with_cache)")
     with checkpointed_prefix.checkpointing_paused(layers):
-        head = model(**_keep_logits(model, {"input_ids": input_ids[:1, :prefix], "use_cache": True}, 1))
-    cache = head.cache if getattr(head, "cache", None) is not None else head.past_key_values
+        cache = _prefix_cache(model, input_ids[:1, :prefix])
     cache.batch_repeat_interleave(batch)  # the prefix's keys and values for every row (gradients sum back)
     if layers:
         cache = checkpointed_prefix.read_only(cache)
     positions = torch.arange(prefix, length, device=input_ids.device).expand(batch, -1)
-    # transformers 5 renamed ``past_key_values`` to ``cache``; accept both.
-    cache_arg = "cache" if forward_accepts(model, "cache") else "past_key_values"
+    cache_arg = _cache_arg(model)
     # Checkpointed, the rows' layers read the given cache without ``use_cache`` (which they would drop, warning).
     kwargs = {"input_ids": input_ids[:, prefix:], "position_ids": positions, cache_arg: cache,
               "use_cache": not layers}
     with checkpointed_prefix.reading_cache_under_checkpointing(layers), gathering:
         return model(**_keep_logits(model, kwargs, keep)).logits
+
+
+def _prefix_cache(model, prefix_ids: torch.Tensor):
+    """The KV cache of one forward over ``prefix_ids`` (one row), its logits cut to the last position."""
+    out = model(**_keep_logits(model, {"input_ids": prefix_ids, "use_cache": True}, 1))
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+def _cache_arg(model) -> str:
+    """The forward's cache argument: transformers 5 renamed ``past_key_values`` to ``cache``; accept both."""
+    return "cache" if forward_accepts(model, "cache") else "past_key_values"
 
 
 def _packs_rows(model) -> bool:
@@ -315,9 +324,7 @@ def _packed_rows_logits(model, head: torch.nn.Module, input_ids: torch.Tensor, a
     starts = torch.tensor([0, *own[:-1]], device=input_ids.device).cumsum(0)  # each row's first packed index
     packed = torch.cat([input_ids[row, prefix:length] for row, length in enumerate(lengths)])[None]
     positions = torch.cat([torch.arange(prefix, length, device=input_ids.device) for length in lengths])[None]
-    head_out = model(**_keep_logits(model, {"input_ids": input_ids[:1, :prefix], "use_cache": True}, 1))
-    cache = head_out.cache if getattr(head_out, "cache", None) is not None else head_out.past_key_values
-    cache_arg = "cache" if forward_accepts(model, "cache") else "past_key_values"
+    cache, cache_arg = _prefix_cache(model, input_ids[:1, :prefix]), _cache_arg(model)
     index = starts[rows] + predicting - prefix  # where each wanted position lies among the packed tokens
 
     def gather(module, args):
