@@ -81,6 +81,25 @@ def test_micro_batching_gives_the_same_gradient_as_one_batch(tokenizer):
     assert torch.allclose(grads[0], grads[1], atol=1e-6)
 
 
+def test_a_steps_per_token_stats_are_the_whole_batch_s_however_it_is_micro_batched(tokenizer):
+    """Micro-batches weigh in by their learned tokens: one row learning 30 tokens counts 10x one learning 3."""
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(5, tokenizer.vocab_size, (20,), generator=generator).tolist()
+    samples = []
+    for learned in (3, 30, 5, 24):
+        answer = torch.randint(5, tokenizer.vocab_size, (learned,), generator=generator).tolist()
+        samples.append(Sample(ids=prompt + answer, mask=[0] * 20 + [1] * learned))
+    nll = {}
+    for budget in (10_000, 60):
+        config = TrainConfig(lr=1e-3, micro_batch_tokens=budget)
+        trainer = MaskedTokenTrainer(tiny_model(tokenizer, seed=5), tokenizer, config)
+        stats = trainer.step(samples, cross_entropy_loss)
+        nll[int(stats["micro_batches"])] = stats["nll_per_token"]
+    one, split = sorted(nll)
+    assert one == 1 and split > 1
+    assert nll[split] == pytest.approx(nll[one], rel=1e-5)
+
+
 def test_a_cpu_trainer_steps_with_the_fused_adamw_and_its_first_step_is_adam_s(tokenizer):
     """The fused kernel (one pass per tensor; bench/README.md) with AdamW's own semantics: after the decay,
     Adam's first step moves a weight by lr * g / (|g| + eps): never more than lr, and lr where |g| >> eps."""

@@ -163,7 +163,7 @@ class GRPOTrainer:
         depend on the batch (a penalty on the weights). The trainer weights it
         by the batch's share of the minibatch, so micro-batching and data
         parallelism leave the total unchanged. ``stats`` (floats) join the
-        step's stats, averaged over micro-batches.
+        step's stats, averaged over micro-batches weighted by their sampled tokens.
         """
         self._loss_terms.append(fn)
         return lambda: self._loss_terms.remove(fn) if fn in self._loss_terms else None

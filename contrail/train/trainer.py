@@ -236,6 +236,22 @@ def collate(samples: list[Sample], pad_id: int, device: torch.device, share_pref
                  packed=packed and shared > 0)
 
 
+def _stat_weights(samples: list[Sample], groups: list[list[int]]) -> list[float]:
+    """Each micro-batch's weight in the step's stats: its share of the masked tokens.
+
+    A loss's stats are means over its micro-batch's masked tokens (a per-token
+    NLL, clip fraction, entropy), or values that do not depend on the batch
+    (a penalty on the weights); weighted by tokens, both come out as the
+    whole batch's, however it was split. (By rows, a micro-batch of short
+    episodes would count as much per row as one of long ones.)
+    """
+    tokens = [sum(sum(samples[i].mask) for i in group) for group in groups]
+    total = sum(tokens)
+    if total == 0:  # nothing masked anywhere: every stat is a mean over nothing; keep them finite
+        return [len(group) / len(samples) for group in groups]
+    return [count / total for count in tokens]
+
+
 def _apply_lora(model, config: TrainConfig):
     from peft import LoraConfig, PeftModel, get_peft_model
 
@@ -334,6 +350,7 @@ class MaskedTokenTrainer:
         # DDP averages gradients over processes; undo that so they sum, as in one process.
         scale = float(self.accelerator.num_processes)
         groups = self.micro_batches(samples)
+        weights = _stat_weights(samples, groups)
         self.model.train()
         totals: dict[str, float] = {"loss": 0.0}
         for number, group in enumerate(groups):
@@ -344,7 +361,7 @@ class MaskedTokenTrainer:
             self.accelerator.backward(loss * scale)
             totals["loss"] += float(loss.detach())
             for key, value in stats.items():
-                totals[key] = totals.get(key, 0.0) + float(value) * len(group) / len(samples)
+                totals[key] = totals.get(key, 0.0) + float(value) * weights[number]
         return totals, len(groups)
 
     @property
