@@ -30,6 +30,11 @@
 (h) ``--buckets A,B``: an experiment's whole evaluation with a turn's new
     parts prefilled in at most A and at most B length buckets
     (``HFBackend(max_buckets=)``), in alternating rounds on one loaded model.
+(i) ``--experience-batches``: an experiment's whole evaluation with each
+    test experience in batches of its own (contrail's default) against all
+    experiences mixed by opening length, alternating on one loaded model,
+    and per experience how many episodes the two played differently (in
+    bf16, rounding that depends on a batch's shape).
 
     python bench/rollout.py --quick                       # embedded SmolLM2-135M, a few minutes on 2 cores
     python bench/rollout.py --model tiny                  # random 2-layer model: overheads only
@@ -43,6 +48,7 @@
         --evaluation-order                                # (g) batches by opening length vs task order
     python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
         --buckets 3,6                                     # (h) at most 3 against at most 6 prefill buckets
+    python bench/rollout.py --evaluation experiments/quickstart.yaml --experience-batches   # (i) apart vs mixed
 """
 
 from __future__ import annotations
@@ -92,6 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --evaluation, run (g) instead of (e): batches by opening length vs task order")
     parser.add_argument("--buckets", default=None, metavar="A,B",
                         help="with --evaluation, run (h) instead of (e): at most A against at most B prefill buckets")
+    parser.add_argument("--experience-batches", action="store_true",
+                        help="with --evaluation, run (i) instead of (e): experiences in batches apart vs mixed")
     parser.add_argument("--prefill-attention", action="store_true",
                         help="run (f) only: a prefill's attention, row spans against SDPA's kernel")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -424,18 +432,21 @@ def alternate_evaluations(policy, args, variants: dict) -> tuple[dict, dict, int
     batch = experiment.eval.batch_episodes
     seconds: dict = {label: [] for label in variants}
     scores: dict = {}
+    played: dict = {}
     for _ in range(args.repeats):
         for label, (backend_options, evaluate_options) in variants.items():
             backend = HFBackend(policy.model, policy.chat.stop_ids, policy.tokenizer.pad_token_id,
                                 autocast_bf16=bf16, max_batch_size=batch, **backend_options)
+            trajectories: dict = {}
             start = time.perf_counter()
             results = evaluate(backend, policy.chat, tasks, env_factory(stream.experiences), k=experiment.eval.k,
                                config=experiment.eval_rollout, batch_episodes=batch, show_progress=False,
-                               seed=derive_seed(experiment.seed, "eval"), **evaluate_options)
+                               seed=derive_seed(experiment.seed, "eval"), episodes=trajectories, **evaluate_options)
             seconds[label].append(time.perf_counter() - start)
             scores[label] = {name: result.avg_at_k for name, result in results.items()}
+            played[label] = {name: [t.ids for t in episodes] for name, episodes in trajectories.items()}
     episodes = sum(len(t) for t in tasks.values()) * experiment.eval.k
-    return seconds, scores, episodes, batch, bf16
+    return seconds, scores, episodes, batch, bf16, played
 
 
 def _evaluation_rows(seconds: dict, scores: dict) -> list[list[str]]:
@@ -447,13 +458,37 @@ def evaluation_order(policy, args, out) -> dict:
     """An experiment's whole evaluation, batched by opening length and in task order, alternating rounds."""
     variants = {"task order": ({}, {"by_opening_length": False}),
                 "by opening length": ({}, {"by_opening_length": True})}
-    seconds, scores, episodes, batch, bf16 = alternate_evaluations(policy, args, variants)
+    seconds, scores, episodes, batch, bf16, _ = alternate_evaluations(policy, args, variants)
     ratio = median(seconds["by opening length"]) / median(seconds["task order"])
     out.print(table(f"(g) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
                     f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
                     f"by opening length / task order: {fmt(ratio, 2)}x (medians)",
                     ["batches", "seconds", "avg@k"], _evaluation_rows(seconds, scores)))
     return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "ratio": ratio, "avg_at_k": scores}
+
+
+# --- (i) evaluation batches per experience -------------------------------------------------------
+
+
+def experience_batches(policy, args, out) -> dict:
+    """An experiment's whole evaluation with each experience in batches of its own and all mixed, alternating.
+
+    Both play every episode from the same seeded streams; the table counts,
+    per experience, the episodes whose tokens differ between the two: in
+    bf16, rounding that depends on a batch's shape (fp32 should show none).
+    """
+    variants = {"mixed": ({}, {"mixed_batches": True}), "apart": ({}, {})}
+    seconds, scores, episodes, batch, bf16, played = alternate_evaluations(policy, args, variants)
+    differ = {name: sum(a != b for a, b in zip(played["mixed"][name], played["apart"][name], strict=True))
+              for name in played["apart"]}
+    ratio = median(seconds["apart"]) / median(seconds["mixed"])
+    out.print(table(f"(i) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
+                    f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
+                    f"apart / mixed: {fmt(ratio, 2)}x (medians); episodes that differ: "
+                    + ", ".join(f"{name} {count} of {len(played['apart'][name])}" for name, count in differ.items()),
+                    ["experiences", "seconds", "avg@k"], _evaluation_rows(seconds, scores)))
+    return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "ratio": ratio, "avg_at_k": scores,
+            "episodes_that_differ": differ}
 
 
 # --- (h) prefill buckets ------------------------------------------------------------------------
@@ -463,7 +498,7 @@ def prefill_buckets(policy, args, out) -> dict:
     """An experiment's whole evaluation with at most A and at most B prefill buckets, alternating rounds."""
     counts = [int(count) for count in args.buckets.split(",")]
     variants = {f"at most {count}": ({"max_buckets": count}, {}) for count in counts}
-    seconds, scores, episodes, batch, bf16 = alternate_evaluations(policy, args, variants)
+    seconds, scores, episodes, batch, bf16, _ = alternate_evaluations(policy, args, variants)
     ratio = median(seconds[f"at most {counts[-1]}"]) / median(seconds[f"at most {counts[0]}"])
     out.print(table(f"(h) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
                     f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
@@ -566,6 +601,10 @@ def main(argv=None) -> None:
         return
     if args.evaluation and args.buckets:
         report["prefill_buckets"] = prefill_buckets(policy, args, out)
+        write_json(args.json, report)
+        return
+    if args.evaluation and args.experience_batches:
+        report["experience_batches"] = experience_batches(policy, args, out)
         write_json(args.json, report)
         return
     if args.evaluation and args.evaluation_order:

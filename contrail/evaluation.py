@@ -1,8 +1,8 @@
 """Evaluating a policy on test experiences: avg@k, pass@k, reward, turns, tokens, invalid actions.
 
 Every experience's tasks are played ``k`` times each, in batched rollouts of
-episodes with similar opening prompts (environments mixed where their
-lengths are), and summarised per experience.
+that experience's episodes with similar opening prompts, and summarised per
+experience.
 ``avg@k`` (the paper's metric) is the mean over tasks of the success rate of
 the ``k`` samples; ``pass@k`` is the share of tasks solved at least once.
 An episode whose environment raised (in its constructor, ``reset`` or
@@ -98,15 +98,27 @@ START_BATCHES = 4
 
 
 def _interleave(experiences: dict[str, list[Task]], k: int) -> list[tuple[str, Task, int]]:
-    """Every (experience, task, sample), round-robin over experiences, first samples first.
-
-    Each window of started episodes (`evaluate`) then holds every
-    experience, not one experience's tasks only.
-    """
+    """Every (experience, task, sample), round-robin over experiences, first samples first."""
     jobs = [(sample, position, order, name, task)
             for order, (name, tasks) in enumerate(experiences.items())
             for position, task in enumerate(tasks) for sample in range(k)]
     return [(name, task, sample) for sample, _, _, name, task in sorted(jobs, key=lambda job: job[:3])]
+
+
+def _batch_groups(experiences: dict[str, list[Task]], k: int, mixed: bool) -> list[list[tuple[str, Task, int]]]:
+    """The jobs in groups whose episodes may share a batch: one group per experience, or one for all.
+
+    Apart, an experience's row depends on the model and its own tasks only:
+    in bf16 a product's rounding depends on the batch's shape and padding, and
+    one rounding that flips a sampled token changes the rest of an episode, so
+    batched beside another experience's episodes (whose lengths follow the
+    model too) the same model scored 0.320 on the quickstart's BabyAI tests
+    and 0.266 tested alone (session 31). It costs at most one part-filled
+    batch per experience.
+    """
+    if mixed:
+        return [_interleave(experiences, k)]
+    return [jobs for name, tasks in experiences.items() if (jobs := _interleave({name: tasks}, k))]
 
 
 def _batches(episodes: list[Episode], batch_episodes: int, by_opening_length: bool) -> list[list[Episode]]:
@@ -135,50 +147,55 @@ def evaluate(
     episodes: dict[str, list[Trajectory]] | None = None,
     seed: int | None = None,
     by_opening_length: bool = True,
+    mixed_batches: bool = False,
 ) -> dict[str, EvalResult]:
     """Play every task of every experience ``k`` times; return results keyed by experience name.
 
     With ``seed``, sample ``j`` of a task samples from its own streams,
     seeded by ``derive_seed(seed, task.env, task.id, j)`` (`episode_seed`):
-    its episode is the same whatever shares its batch (other experiences,
-    ``batch_episodes``), and two models evaluated with one seed see the same
-    random numbers, token by token, so their difference on a task is the
-    models' (common random numbers). Without it, the backend's own generator.
+    its random numbers do not depend on what shares its batch, and two
+    models evaluated with one seed see the same ones, token by token, so
+    their difference on a task is the models' (common random numbers), up
+    to rounding: in fp32 an episode is the same in any batch, in bf16 only
+    in the same batches. Without ``seed``, the backend's own generator.
 
-    Episodes are started (environments built and reset) ``START_BATCHES``
-    batches at a time, experiences interleaved, and played in batches of
-    ``batch_episodes`` with similar opening lengths (`_batches`);
-    environments that are not `Env.cheap_to_hold` (ALFWorld) are started a
-    batch at a time. ``by_opening_length=False`` plays them in batches in task
-    order instead, for comparison (``bench/rollout.py --evaluation-order``).
-    When ``trajectories_path`` is given, every episode is appended there as
-    one readable JSON line (the conversation and its outcome, and the
-    ``"experience"`` it was played for: a task may belong to two test
-    experiences, ``babyai`` and ``babyai:easy``), experiences interleaved,
-    a window of started episodes at a time. When ``episodes`` is given, it receives the `Trajectory`
+    Each experience's episodes are started (environments built and reset)
+    ``START_BATCHES`` batches at a time and played in batches of
+    ``batch_episodes`` with similar opening lengths (`_batches`), apart from
+    other experiences' (`_batch_groups`: in bf16 a row would otherwise
+    depend on what else the stream tests); environments that are not
+    `Env.cheap_to_hold` (ALFWorld) are started a batch at a time. For
+    comparison (``bench/rollout.py``), ``mixed_batches=True`` batches all
+    experiences together, interleaved, and ``by_opening_length=False`` plays
+    batches in task order. When ``trajectories_path`` is given, every
+    episode is appended there as one readable JSON line (the conversation
+    and its outcome, and the ``"experience"`` it was played for: a task may
+    belong to two test experiences, ``babyai`` and ``babyai:easy``), a
+    window of started episodes at a time. When ``episodes`` is given, it receives the `Trajectory`
     objects themselves, keyed by experience (the start model's samples for
     `contrail.drift`).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
-    jobs = _interleave(experiences, k)
+    groups = _batch_groups(experiences, k, mixed_batches)
     results: dict[str, list[Trajectory]] = {name: [] for name in experiences}
     window = batch_episodes * START_BATCHES
     sink = open(trajectories_path, "a", encoding="utf-8") if trajectories_path else None
     try:
-        with EpisodeProgress(len(jobs), description, enabled=show_progress) as progress:
-            start = 0
-            while start < len(jobs):
-                started = _start_ahead(jobs[start:start + window], batch_episodes, make_env, chat, config, seed)
-                _play_in_batches(backend, chat, started, batch_episodes, config, progress, by_opening_length)
-                # Kept in job order: only the job knows which experience an episode is for.
-                for (name, _, _), episode in zip(jobs[start:start + len(started)], started, strict=True):
-                    results[name].append(episode.trajectory)
+        with EpisodeProgress(sum(map(len, groups)), description, enabled=show_progress) as progress:
+            for jobs in groups:
+                start = 0
+                while start < len(jobs):
+                    started = _start_ahead(jobs[start:start + window], batch_episodes, make_env, chat, config, seed)
+                    _play_in_batches(backend, chat, started, batch_episodes, config, progress, by_opening_length)
+                    # Kept in job order: only the job knows which experience an episode is for.
+                    for (name, _, _), episode in zip(jobs[start:start + len(started)], started, strict=True):
+                        results[name].append(episode.trajectory)
+                        if sink:
+                            sink.write(json.dumps({**episode.trajectory.to_record(), "experience": name}) + "\n")
                     if sink:
-                        sink.write(json.dumps({**episode.trajectory.to_record(), "experience": name}) + "\n")
-                if sink:
-                    sink.flush()
-                start += len(started)
+                        sink.flush()
+                    start += len(started)
     finally:
         if sink:
             sink.close()
@@ -202,9 +219,9 @@ def _start_ahead(jobs: list[tuple[str, Task, int]], batch_episodes: int, make_en
                  chat: ChatFormat, config: RolloutConfig, seed: int | None) -> list[Episode]:
     """Start the episodes of ``jobs`` (up to ``START_BATCHES`` batches), or of its first batch only.
 
-    The first batch's environments decide (experiences are interleaved, so
-    it holds each of them): when any is not `Env.cheap_to_hold`, nothing is
-    started ahead of its batch.
+    The first batch's environments decide (with mixed batches, experiences
+    are interleaved, so it holds each of them): when any is not
+    `Env.cheap_to_hold`, nothing is started ahead of its batch.
     """
     started = _start(jobs[:batch_episodes], make_env, chat, config, seed)
     if all(getattr(episode.env, "cheap_to_hold", True) for episode in started):
@@ -247,9 +264,9 @@ class Evaluator:
     Every call plays the same episodes (``tasks`` x ``k``), each sampling
     from its own streams seeded from ``seed`` (`episode_seed`): two rows see
     the same random numbers, token by token, so they differ because the
-    model changed, not because the sampling did, and a task's episode does
-    not depend on what else shares its batch. The global random state is
-    left as it was (`preserved_rng`).
+    model changed, not because the sampling did, and an experience's row
+    does not depend on the other experiences tested (`evaluate`). The global
+    random state is left as it was (`preserved_rng`).
 
     Args:
         tasks: test tasks keyed by experience name.

@@ -190,6 +190,21 @@ def test_episodes_are_batched_by_opening_length_and_reported_in_task_order(token
     assert all(len(set(lengths)) == 2 for lengths in in_order.calls)  # task order mixes them
 
 
+def test_each_experience_plays_in_batches_of_its_own(tokenizer, chat):
+    """In bf16 a product's rounding depends on its batch's shape, so batched together one experience's
+    row would depend on what else the stream tests: each plays apart, a part-filled batch at its end."""
+    tasks = MagicWordEnv().tasks("test", "easy")[:6]  # openings of one length: only the grouping splits them
+    experiences = {"first": tasks[:3], "second": tasks[3:]}
+    apart, mixed = RecordsPrompts(tokenizer, chat), RecordsPrompts(tokenizer, chat)
+    results = evaluate(apart, chat, experiences, lambda task: MagicWordEnv(), config=ROLLOUT, batch_episodes=4,
+                       show_progress=False, seed=0)
+    assert [len(lengths) for lengths in apart.calls] == [3, 3]
+    assert results["first"].tasks == results["second"].tasks == 3
+    evaluate(mixed, chat, experiences, lambda task: MagicWordEnv(), config=ROLLOUT, batch_episodes=4,
+             show_progress=False, seed=0, mixed_batches=True)
+    assert [len(lengths) for lengths in mixed.calls] == [4, 2]
+
+
 class OpenEnvironments:
     """Makes magic word games and counts how many are open, now and at most."""
 
