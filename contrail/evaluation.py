@@ -126,7 +126,7 @@ def _batches(episodes: list[Episode], batch_episodes: int, by_opening_length: bo
 
     A batch is left-padded to its longest prompt, and every decode step of
     every turn reads that padding in the KV cache; BabyAI's openings alone
-    run from about 380 to 780 tokens. Ties keep their order (round-robin).
+    run from about 380 to 780 tokens. Ties keep their order.
     """
     if by_opening_length:
         episodes = sorted(episodes, key=lambda episode: len(episode.trajectory.ids))
@@ -156,8 +156,8 @@ def evaluate(
     its random numbers do not depend on what shares its batch, and two
     models evaluated with one seed see the same ones, token by token, so
     their difference on a task is the models' (common random numbers), up
-    to rounding: in fp32 an episode is the same in any batch, in bf16 only
-    in the same batches. Without ``seed``, the backend's own generator.
+    to rounding, which in bf16 follows a batch's shape. Without ``seed``,
+    the backend's own generator.
 
     Each experience's episodes are started (environments built and reset)
     ``START_BATCHES`` batches at a time and played in batches of
