@@ -114,7 +114,8 @@ def _batch_groups(experiences: dict[str, list[Task]], k: int, mixed: bool) -> li
     batched beside another experience's episodes (whose lengths follow the
     model too) the same model scored 0.320 on the quickstart's BabyAI tests
     and 0.266 tested alone (session 31). It costs at most one part-filled
-    batch per experience.
+    batch per experience: the quickstart's row took as long either way
+    (``bench/rollout.py --experience-batches``).
     """
     if mixed:
         return [_interleave(experiences, k)]
@@ -179,29 +180,39 @@ def evaluate(
         raise ValueError(f"k must be >= 1, got {k}")
     groups = _batch_groups(experiences, k, mixed_batches)
     results: dict[str, list[Trajectory]] = {name: [] for name in experiences}
-    window = batch_episodes * START_BATCHES
     sink = open(trajectories_path, "a", encoding="utf-8") if trajectories_path else None
     try:
         with EpisodeProgress(sum(map(len, groups)), description, enabled=show_progress) as progress:
             for jobs in groups:
-                start = 0
-                while start < len(jobs):
-                    started = _start_ahead(jobs[start:start + window], batch_episodes, make_env, chat, config, seed)
-                    _play_in_batches(backend, chat, started, batch_episodes, config, progress, by_opening_length)
-                    # Kept in job order: only the job knows which experience an episode is for.
-                    for (name, _, _), episode in zip(jobs[start:start + len(started)], started, strict=True):
+                for window in _play_windows(jobs, backend, chat, make_env, config, batch_episodes, seed,
+                                            progress, by_opening_length):
+                    for name, episode in window:
                         results[name].append(episode.trajectory)
                         if sink:
                             sink.write(json.dumps({**episode.trajectory.to_record(), "experience": name}) + "\n")
                     if sink:
                         sink.flush()
-                    start += len(started)
     finally:
         if sink:
             sink.close()
     if episodes is not None:
         episodes.update(results)
     return {name: summarize(trajs, k) for name, trajs in results.items()}
+
+
+def _play_windows(jobs: list[tuple[str, Task, int]], backend: Backend, chat: ChatFormat,
+                  make_env: Callable[[Task], Env], config: RolloutConfig, batch_episodes: int, seed: int | None,
+                  progress: EpisodeProgress, by_opening_length: bool) -> Iterator[list[tuple[str, Episode]]]:
+    """Play ``jobs`` a window of started episodes at a time (`_start_ahead`); yield each window's
+    (experience, episode) pairs in job order."""
+    window = batch_episodes * START_BATCHES
+    start = 0
+    while start < len(jobs):
+        started = _start_ahead(jobs[start:start + window], batch_episodes, make_env, chat, config, seed)
+        _play_in_batches(backend, chat, started, batch_episodes, config, progress, by_opening_length)
+        # Paired by job: only the job knows which experience an episode is for.
+        yield [(name, episode) for (name, _, _), episode in zip(jobs[start:start + len(started)], started, strict=True)]
+        start += len(started)
 
 
 def _play_in_batches(backend: Backend, chat: ChatFormat, started: list[Episode], batch_episodes: int,
