@@ -172,9 +172,9 @@ def evaluate(
     episode is appended there as one readable JSON line (the conversation
     and its outcome, and the ``"experience"`` it was played for: a task may
     belong to two test experiences, ``babyai`` and ``babyai:easy``), a
-    window of started episodes at a time. When ``episodes`` is given, it receives the `Trajectory`
-    objects themselves, keyed by experience (the start model's samples for
-    `contrail.drift`).
+    window of started episodes at a time. When ``episodes`` is given, it
+    receives the `Trajectory` objects themselves, keyed by experience (the
+    start model's samples for `contrail.drift`).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
