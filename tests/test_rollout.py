@@ -300,6 +300,43 @@ def test_a_shared_prefix_whose_rests_fall_in_several_buckets_is_extended_from_an
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def test_a_turn_in_several_buckets_copies_each_row_once_and_extends_the_buckets_in_place(tokenizer, chat,
+                                                                                        random_policy, monkeypatch):
+    """Each bucket's rows are copied once into the turn's cache, ending where that bucket's new tokens begin,
+    and each bucket's forward writes into that cache: no join copies the buckets' caches afterwards."""
+    from contrail.agent.kv_cache import GrowingLayer
+
+    model, _ = random_policy
+    copies = []  # rows assembled, one entry per layer copied
+    real_assemble = GrowingLayer.assemble
+
+    def assemble(self, rows, width, room=0, ends=None):
+        copies.append(len(rows))
+        return real_assemble(self, rows, width, room, ends)
+
+    monkeypatch.setattr(GrowingLayer, "assemble", assemble)
+    instructions = "you play a word game . " * 12
+    prompts = [chat.prompt_ids([{"role": "user", "content": instructions + rest}])
+               for rest in ("go .", "say the word . " * 40, "go on .", "say the word . " * 38)]
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    backend = HFBackend(model, frozenset(), tokenizer.pad_token_id)  # no stop id: every row decodes to the end
+    first = backend.generate(prompts, params)
+    layers = len(model.model.layers)
+    assert copies == [len(prompts)] * layers  # the shared prefix's row, copied once per row; nothing joined
+    follow = [p + g.ids + chat.user_turn_ids(text) for p, g, text in
+              zip(prompts, first, ("ok", "the word is " * 40, "fine", "the word was " * 35))]
+    copies.clear()
+    kept = backend.generate(follow, params)
+    assert copies == [len(prompts)] * layers  # two buckets again, one copy of each row
+    monkeypatch.undo()
+    plain = HFBackend(model, frozenset(), tokenizer.pad_token_id, reuse_cache=False, share_prefix=False)
+    assert [g.ids for g in first] == [g.ids for g in plain.generate(prompts, params)]
+    recomputed = plain.generate(follow, params)
+    assert [g.ids for g in kept] == [g.ids for g in recomputed]
+    for a, b in zip(kept, recomputed):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
 def test_shared_prefix_prefill_runs_the_shared_part_once(tokenizer, chat, random_policy):
     model, _ = random_policy
     prompts = _shared_prefix_prompts(chat)
@@ -561,9 +598,9 @@ def test_a_turn_s_parked_pieces_are_joined_only_when_a_next_turn_extends_them(to
     read = []
     real_assembled = backend_module._assembled
 
-    def assembled(sources, room=0, release=()):
+    def assembled(sources, room=0, release=(), ends=None):
         read.append([session for session, _ in sources])
-        return real_assembled(sources, room, release)
+        return real_assembled(sources, room, release, ends)
 
     def reads_of(pieces):
         """For each assembled cache, how many of ``pieces`` it read."""
@@ -607,10 +644,10 @@ def test_a_next_turn_lets_each_old_layer_go_once_copied(tokenizer, chat, random_
     alive = []  # for each layer copied from the old pieces: how many old layers were alive then
     real_assemble = GrowingLayer.assemble
 
-    def assemble(self, rows, width, room=0):
+    def assemble(self, rows, width, room=0, ends=None):
         if any(layer is ref() for layer, _ in rows for ref in old):
             alive.append(sum(ref() is not None for ref in old))
-        return real_assemble(self, rows, width, room)
+        return real_assemble(self, rows, width, room, ends)
 
     monkeypatch.setattr(GrowingLayer, "assemble", assemble)
     backend.generate([p + g.ids + chat.user_turn_ids("again") for p, g in zip(prompts, first)], params)
@@ -636,12 +673,12 @@ def test_a_prefill_joining_repeated_prompts_lets_each_part_layer_go_once_copied(
     previous, freed = [], []  # for each join copy after the first: were the last copy's source layers gone?
     real_assemble = GrowingLayer.assemble
 
-    def assemble(self, rows, width, room=0):
+    def assemble(self, rows, width, room=0, ends=None):
         if len(rows) == len(prompts):  # the join of the distinct prompts' rows into the batch
             if previous:
                 freed.append(all(ref() is None for ref in previous))
             previous[:] = [weakref.ref(layer) for layer, _ in rows]
-        return real_assemble(self, rows, width, room)
+        return real_assemble(self, rows, width, room, ends)
 
     monkeypatch.setattr(GrowingLayer, "assemble", assemble)
     backend.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0))

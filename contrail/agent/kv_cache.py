@@ -80,35 +80,63 @@ class GrowingLayer(DynamicLayer):
         self._buffers = (id(self), keys, values)
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
 
-    def assemble(self, rows: list[tuple[DynamicLayer, int]], width: int, room: int = 0) -> None:
+    def assemble(self, rows: list[tuple[DynamicLayer, int]], width: int, room: int = 0,
+                 ends: list[int] | None = None) -> None:
         """Hold, in order, row ``r`` of layer ``l`` for each ``(l, r)`` of ``rows`` (repeats allowed), left-padded
-        to ``width`` positions, with room for ``room`` more before this class's headroom.
+        to end at position ``ends[i]`` (``width`` for all by default), ``width`` positions filled, with room for
+        ``room`` more before this class's headroom.
 
         One buffer is filled once, a slice copy per run of consecutive rows
         of one layer. This is how the HF backend builds a turn's cache from
-        the last turn's pieces, its prefill buckets and its duplicate rows:
+        the last turn's pieces, its duplicate rows and its prefill buckets
+        (which end where each bucket's new tokens begin, `rows`):
         selecting, concatenating, reordering and adopting were up to five
         copies of the whole cache a turn, each into freshly allocated memory,
         whose page faults cost more than the copies (a turn's joins were 7%
         of an evaluation's time on a 2-core EPYC, 14% on a 2-core AMX Xeon).
         Padding and unfilled positions are zero.
         """
-        first, runs = rows[0][0].keys, _runs(rows)
+        first, runs = rows[0][0].keys, _runs(rows, ends or [width] * len(rows))
         capacity = _capacity(width + room)
         buffers = []
         for which in ("keys", "values"):
             buffer = first.new_empty((len(rows), *first.shape[1:-2], capacity, first.shape[-1]))
-            for start, layer, row, count in runs:
+            for start, layer, row, count, end in runs:
                 tensor = getattr(layer, which)[row:row + count]
-                offset = width - tensor.shape[-2]
+                offset = end - tensor.shape[-2]
                 buffer[start:start + count, ..., :offset, :].zero_()
-                buffer[start:start + count, ..., offset:width, :] = tensor
-            buffer[..., width:, :].zero_()  # attention reads the unfilled positions too, masked out
+                buffer[start:start + count, ..., offset:end, :] = tensor
+                buffer[start:start + count, ..., end:, :].zero_()  # attention reads unfilled positions too, masked
             buffers.append(buffer)
         self.is_initialized = True
         self.device = first.device
         self._buffers = (id(self), buffers[0], buffers[1])
         self.keys, self.values = buffers[0][..., :width, :], buffers[1][..., :width, :]
+
+    def rows(self, start: int, end: int, length: int) -> "GrowingLayer":
+        """A layer over rows ``start``..``end - 1`` of this one's buffer, filled up to ``length`` positions.
+
+        Its updates write into this layer's buffer, in place: a prefill
+        bucket extends its rows where the joined cache holds them, and no
+        join copies them afterwards (`writes_into`).
+        """
+        _, keys, values = self._buffers
+        part = GrowingLayer()
+        part.is_initialized, part.device = True, self.device
+        part._buffers = (id(part), keys[start:end], values[start:end])
+        part.keys, part.values = keys[start:end, ..., :length, :], values[start:end, ..., :length, :]
+        return part
+
+    def filled(self, length: int) -> None:
+        """Take this layer's first ``length`` positions as filled (its `rows` parts wrote them in place)."""
+        _, keys, values = self._buffers
+        self.keys, self.values = keys[..., :length, :], values[..., :length, :]
+
+    def writes_into(self, other: "GrowingLayer") -> bool:
+        """Whether this layer's filled positions still lie in ``other``'s buffer (a `rows` part not reallocated)."""
+        return (self._buffers is not None and other._buffers is not None and self._owns_views()
+                and self._buffers[1].untyped_storage().data_ptr() == other._buffers[1].untyped_storage().data_ptr()
+                and self._buffers[2].untyped_storage().data_ptr() == other._buffers[2].untyped_storage().data_ptr())
 
     def spare(self) -> int:
         """Positions this layer's buffer has left before an update must reallocate (0 without one of its own)."""
@@ -150,15 +178,16 @@ def _capacity(needed: int) -> int:
     return needed + max(MIN_HEADROOM, needed // 8)
 
 
-def _runs(rows: list[tuple[DynamicLayer, int]]) -> list[tuple[int, DynamicLayer, int, int]]:
-    """``rows`` as runs ``(first output row, layer, first row, count)`` of consecutive rows of one layer."""
-    runs: list[tuple[int, DynamicLayer, int, int]] = []
-    for position, (layer, row) in enumerate(rows):
-        if runs and runs[-1][1] is layer and runs[-1][2] + runs[-1][3] == row:
-            start, _, first, count = runs[-1]
-            runs[-1] = (start, layer, first, count + 1)
+def _runs(rows: list[tuple[DynamicLayer, int]], ends: list[int]) -> list[tuple[int, DynamicLayer, int, int, int]]:
+    """``rows`` as runs ``(first output row, layer, first row, count, end)`` of consecutive rows of one layer
+    that end at one position."""
+    runs: list[tuple[int, DynamicLayer, int, int, int]] = []
+    for position, ((layer, row), end) in enumerate(zip(rows, ends)):
+        if runs and runs[-1][1] is layer and runs[-1][2] + runs[-1][3] == row and runs[-1][4] == end:
+            start, _, first, count, _ = runs[-1]
+            runs[-1] = (start, layer, first, count + 1, end)
         else:
-            runs.append((position, layer, row, 1))
+            runs.append((position, layer, row, 1, end))
     return runs
 
 

@@ -160,3 +160,33 @@ def test_assembling_left_pads_the_named_rows_in_order_into_one_buffer_the_next_u
     assert assembled.keys.data_ptr() == buffer  # appended in place: no copy
     torch.testing.assert_close(keys[:, :, 5:], new[0], rtol=0, atol=0)
     torch.testing.assert_close(keys[2:4, :, :5], long_states[0][:2], rtol=0, atol=0)
+
+
+def test_rows_assembled_to_end_at_their_own_positions_are_extended_in_place_by_row_range():
+    """A turn's prefill buckets: each bucket's rows end where its new tokens begin, and extending a bucket's
+    row range (`rows`) writes into the joined buffer, so no join copies them afterwards."""
+    short, long = GrowingLayer(), GrowingLayer()
+    short_states, long_states = _states(3, batch=2, seed=1), _states(5, batch=1, seed=2)
+    short.update(*short_states)
+    long.update(*long_states)
+    joint = GrowingLayer()
+    # bucket one: the two short rows, 6 new tokens (end at 9 - 6 = 3); bucket two: the long row, 4 new (end at 5)
+    joint.assemble([(short, 0), (short, 1), (long, 0)], width=5, room=4, ends=[3, 3, 5])
+    assert joint.keys.shape == (3, 2, 5, 4)
+    torch.testing.assert_close(joint.keys[:2, :, :3], short_states[0], rtol=0, atol=0)
+    assert not joint.keys[:2, :, 3:].any()  # after a row's end: zeros until its bucket writes there
+    torch.testing.assert_close(joint.values[2:, :, :5], long_states[1], rtol=0, atol=0)
+    buffer = joint._buffers[1].data_ptr()
+    first, second = joint.rows(0, 2, 3), joint.rows(2, 3, 5)
+    new_short, new_long = _states(6, batch=2, seed=3), _states(4, batch=1, seed=4)
+    first.update(*new_short)
+    second.update(*new_long)
+    assert first.writes_into(joint) and second.writes_into(joint)
+    joint.filled(9)
+    assert joint._buffers[1].data_ptr() == buffer and joint.keys.shape == (3, 2, 9, 4)
+    torch.testing.assert_close(joint.keys[:2, :, 3:9], new_short[0], rtol=0, atol=0)
+    torch.testing.assert_close(joint.values[2:, :, 5:9], new_long[1], rtol=0, atol=0)
+    torch.testing.assert_close(joint.keys[:2, :, :3], short_states[0], rtol=0, atol=0)  # history kept
+    overflow = joint.rows(0, 1, 9)
+    overflow.update(*_states(joint.spare() + 1, batch=1, seed=5))  # past the buffer: a buffer of its own
+    assert not overflow.writes_into(joint)
