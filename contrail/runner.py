@@ -397,6 +397,7 @@ def _start_evaluation_key(experiment: Experiment, stream: Stream, start_model: s
         rollout=experiment.eval_rollout, k=experiment.eval.k, batch_episodes=experiment.eval.batch_episodes,
         seed=derive_seed(experiment.seed, "eval"), sampling="per-episode streams",  # `evaluation.episode_seed`
         batches="each experience apart",  # bf16 rounds by batch shape; entries from mixed batches are not reused
+        prefill="buckets extended in place",  # nor entries from the cache layout before `HFBackend._extend`'s joint
         precision=precision,  # resolved: an "auto" run's episodes depend on what it resolved to
         dtype=experiment.model.dtype, device=experiment.model.device,
         lora=[experiment.grpo.lora, experiment.grpo.lora_r, experiment.grpo.lora_target_modules],
