@@ -370,17 +370,21 @@ def _stages_table(data: RunData) -> list[str]:
         trained = ", ".join(stage.get("new", stage.get("experiences", [])))
         lines.append(f"| {index} | {stage['name']} | {trained} | {shares} | {stage['steps']} | {wall} |")
     note = ("Wall time: the stage's training and evaluation, the evaluation's share in parentheses; row 0's: "
-            "the setup (model, warm-start, loading) and its evaluation, in the process that recorded the row.")
+            "the setup (model, warm-start, loading) and its evaluation, in the process that recorded the row. "
+            "System: that process's time in the kernel over the row (page faults on memory it touches first, I/O); "
+            "peak: its resident memory at most, up to the row's end.")
     return lines + ["", note, ""]
 
 
 def _wall_time(row: dict) -> str:
-    """``"16.6 min (evaluation 4.9)"``, or ``"–"`` for a row without a time."""
+    """``"16.6 min (evaluation 4.9, system 0.2; peak 7.5 GB)"`` with the parts the row recorded, or ``"–"``."""
     if row.get("wall_seconds") is None:
         return "–"
     wall = f"{row['wall_seconds'] / 60:.1f} min"
-    evaluation = row.get("eval_seconds")
-    return wall if evaluation is None else f"{wall} (evaluation {evaluation / 60:.1f})"
+    times = [f"{label} {row[key] / 60:.1f}" for label, key in (("evaluation", "eval_seconds"),
+                                                              ("system", "system_seconds")) if key in row]
+    parts = ", ".join(times) + (f"; peak {row['peak_memory_gb']:.1f} GB" if "peak_memory_gb" in row else "")
+    return f"{wall} ({parts.lstrip('; ')})" if parts else wall
 
 
 def _matrix_table(analysis: Analysis, measure: str) -> list[str]:

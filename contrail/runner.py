@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,7 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
             to continue or overwrite, or a directory that is not a run.
     """
     started = time.perf_counter()  # row 0's wall time counts the setup: model, warm-start, loading
+    usage = _usage()
     experiment.check()  # environments, strategy, device: fail before anything is written
     run_dir = RunDir(out if out is not None else experiment.out)
     processes = process_state()  # under `accelerate launch` every process trains; the main one writes
@@ -165,7 +167,8 @@ def run(experiment: Experiment, out: str | Path | None = None, *, resume: bool =
             evaluating = time.perf_counter()
             results = _evaluate_start(evaluator, trainer, run_dir, experiment, stream, start_model, tracker)
             now = time.perf_counter()
-            _record(run_dir, 0, row0, [], results, {}, now - started, eval_seconds=now - evaluating)
+            _record(run_dir, 0, row0, [], results, {}, now - started, eval_seconds=now - evaluating,
+                    since=usage)
     processes.wait_for_everyone()
     if processes.is_main_process:
         tracking.log_rows()  # row 0, or a resumed run's rows
@@ -330,7 +333,7 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
                tracker: drift.DriftTracker | None = None) -> None:
     """Train ``stage``, checkpoint it, evaluate (and measure drift), record its row, then drop state it made
     unneeded."""
-    started = time.perf_counter()
+    started, usage = time.perf_counter(), _usage()
     sampler = stage_sampler(stage, stream)  # from the plain-data stage: plan.json replays exactly
     strategy.before_stage(stage, trainer)
     within = checkpoints.StepCheckpoints(run_dir, stage, trainer, strategy, sampler, experiment.checkpoint_minutes,
@@ -348,7 +351,8 @@ def _run_stage(stage: Stage, total: int, strategy: Strategy, trainer: GRPOTraine
             evaluated = time.perf_counter()
             moved = tracker.measure() if tracker is not None else None
             _record(run_dir, stage.index, stage.name, list(stage.new), results, _train_summary(history),
-                    time.perf_counter() - started, drift_entry=moved, eval_seconds=evaluated - evaluating)
+                    time.perf_counter() - started, drift_entry=moved, eval_seconds=evaluated - evaluating,
+                    since=usage)
             # Only now are the previous stage's optimizer state and this stage's checkpoint within it unneeded:
             # a kill before this row resumes from them (the stage's own checkpoint counts once its row is written).
             checkpoints.drop_stale(run_dir, stage.index)
@@ -411,18 +415,48 @@ def _drift_tracker(run_dir: RunDir, trainer: GRPOTrainer) -> drift.DriftTracker:
 
 def _record(run_dir: RunDir, stage: int, name: str, trained: Sequence[str], results: dict[str, EvalResult],
             train: dict[str, Any], seconds: float, drift_entry: dict[str, Any] | None = None,
-            eval_seconds: float | None = None) -> None:
-    """Append row ``stage``: ``seconds`` it took in all (row 0: the setup too), ``eval_seconds`` its evaluation."""
+            eval_seconds: float | None = None, since: _Usage | None = None) -> None:
+    """Append row ``stage``: ``seconds`` it took in all (row 0: the setup too), ``eval_seconds`` its evaluation,
+    and the process's system time over the row and peak memory so far (from the usage taken at its ``since``)."""
     row = {"stage": stage, "name": name, "trained": list(trained),
            "results": {k: r.to_dict() for k, r in results.items()}, "train": train, "wall_seconds": seconds}
     if eval_seconds is not None:
         row["eval_seconds"] = eval_seconds
+    now = _usage()
+    if since is not None and now is not None:
+        row["system_seconds"] = now.system_seconds - since.system_seconds
+        row["peak_memory_gb"] = now.peak_memory_gb
     if drift_entry is not None:
         row["drift"] = drift_entry
     run_dir.append_row(row)
     cells = "  ".join(f"{n} {r.avg_at_k:.2f}" for n, r in results.items())
     errors = sum(r.errors for r in results.values())
     console.print(f"[bold]row {stage}[/] ({name}): avg@k  {cells}" + (f"  ({errors} env errors)" if errors else ""))
+
+
+@dataclass(frozen=True)
+class _Usage:
+    """This process's system CPU time so far (all threads) and its peak resident memory."""
+
+    system_seconds: float
+    peak_memory_gb: float
+
+
+def _usage() -> _Usage | None:
+    """The process's `_Usage` now, or None where the OS does not report it (no ``resource`` module).
+
+    A row records both. The peak is the memory a run needs; system time shows
+    a machine that is slow to hand out fresh memory: on some cloud VMs every
+    page a process touches for the first time costs microseconds in the
+    kernel, and minutes over a run (README, "Measured here").
+    """
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    peak_bytes = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, KiB on Linux
+    return _Usage(system_seconds=usage.ru_stime, peak_memory_gb=peak_bytes / 1e9)
 
 
 def _train_summary(history: list[dict[str, float]]) -> dict[str, Any]:

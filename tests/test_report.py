@@ -258,6 +258,19 @@ def test_stages_table_shows_the_setup_and_each_evaluations_share_of_the_wall_tim
     assert "| 2 | b:easy | b:easy | b:easy 1.00 | 3 | 8.0 min (evaluation 4.7) |" in md
 
 
+def test_stages_table_shows_each_rows_system_time_and_peak_memory_where_recorded(tmp_path):
+    path = make_run(tmp_path / "run")
+    rows = [json.loads(line) for line in (path / "results.jsonl").read_text().splitlines()]
+    rows[0].update(wall_seconds=480.0, eval_seconds=300.0, system_seconds=90.0, peak_memory_gb=11.24)
+    rows[1].update(wall_seconds=996.0, eval_seconds=294.0, system_seconds=6.0, peak_memory_gb=11.5)
+    rows[2].update(wall_seconds=480.0, peak_memory_gb=11.5)  # parts a row lacks are left out
+    (path / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    md = write_report(path)[0].read_text()
+    assert "| 0 | warm-start | – | – | – | 8.0 min (evaluation 5.0, system 1.5; peak 11.2 GB) |" in md
+    assert "| 1 | a:easy | a:easy | a:easy 1.00 | 3 | 16.6 min (evaluation 4.9, system 0.1; peak 11.5 GB) |" in md
+    assert "| 2 | b:easy | b:easy | b:easy 1.00 | 3 | 8.0 min (peak 11.5 GB) |" in md
+
+
 def test_rows_recorded_without_evaluation_times_keep_the_old_stages_table(tmp_path):
     md = write_report(make_run(tmp_path / "run"))[0].read_text()  # rows with wall_seconds only
     assert "| 1 | a:easy | a:easy | a:easy 1.00 | 3 | 1.5 min |" in md

@@ -71,6 +71,24 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def test_each_row_records_the_system_time_over_it_and_the_peak_memory_so_far(base_model, tmp_path, monkeypatch):
+    import resource
+    import time
+    from types import SimpleNamespace
+
+    # A clock for system time (so a row's must equal its wall time) and a peak that grows by 1 MiB a reading.
+    readings = iter(range(1, 10_000))
+    fake = lambda who: SimpleNamespace(ru_stime=time.perf_counter(), ru_maxrss=1024 * next(readings))  # noqa: E731
+    monkeypatch.setattr(resource, "getrusage", fake)
+    run(experiment(base_model, tmp_path / "run"), show_progress=False)
+    rows = read_jsonl(tmp_path / "run" / "results.jsonl")
+    assert len(rows) == 3
+    for row in rows:  # over the row, not since the process started; row 0 counts the setup as its wall time does
+        assert row["system_seconds"] == pytest.approx(row["wall_seconds"], abs=0.25), row
+    peaks = [row["peak_memory_gb"] for row in rows]
+    assert peaks == sorted(peaks) and len(set(peaks)) == 3 and all(p < 0.1 for p in peaks)  # KiB read as KiB
+
+
 def test_sequential_run_writes_config_plan_rows_checkpoints_and_report(base_model, tmp_path):
     exp = experiment(base_model, tmp_path / "run", test=[*TRAIN, HELD_OUT])
     result = run(exp, show_progress=False)
