@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from contrail.agent.buffer_pool import empty as pooled
+
 MIN_HEADROOM = 64  # positions: one turn's generation (the quickstart's 40 tokens) fits without a reallocation
 
 
@@ -76,7 +78,8 @@ class GrowingLayer(DynamicLayer):
             return
         length = self.keys.shape[-2]
         _, keys, values = self._buffers
-        keys, values = keys.index_select(0, indices), values.index_select(0, indices)
+        keys, values = (torch.index_select(t, 0, indices, out=pooled(t, (len(indices), *t.shape[1:])))
+                        for t in (keys, values))
         self._buffers = (id(self), keys, values)
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
 
@@ -100,7 +103,7 @@ class GrowingLayer(DynamicLayer):
         capacity = _capacity(width + room)
         buffers = []
         for which in ("keys", "values"):
-            buffer = first.new_empty((len(rows), *first.shape[1:-2], capacity, first.shape[-1]))
+            buffer = pooled(first, (len(rows), *first.shape[1:-2], capacity, first.shape[-1]))
             for start, layer, row, count, end in runs:
                 tensor = getattr(layer, which)[row:row + count]
                 offset = end - tensor.shape[-2]
@@ -165,7 +168,7 @@ class GrowingLayer(DynamicLayer):
         for cached, new in ((self.keys, key_states), (self.values, value_states)):
             shape = list(new.shape)
             shape[-2] = capacity
-            buffer = new.new_empty(shape)
+            buffer = pooled(new, shape)
             buffer[..., length:, :].zero_()  # attention reads the unfilled positions too, masked out: keep them finite
             if length:
                 buffer[..., :length, :] = cached

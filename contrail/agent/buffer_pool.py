@@ -1,0 +1,151 @@
+"""Memory for the HF backend's KV-cache buffers, kept apart from the heap and reused.
+
+A CPU evaluation builds every turn a new cache of a few hundred MB to a few
+GB (`contrail.agent.kv_cache`), frees the last one, and between them
+allocates thousands of small objects (token lists, logits rows) that live on.
+In malloc's one heap (`contrail.allocator` keeps freed memory there) those
+small blocks land in the holes the freed caches leave, so the next, larger
+cache rarely fits and the heap grows: after its warm-start, a quickstart's
+first evaluation held 1.6-2.6 GB in use in a heap grown to 10.4 GB. Each new page costs a fault, and on some cloud
+VMs, whose host backs a page only when the guest first touches it, about
+8 s per GB in the kernel (README, "Measured here").
+
+`BufferPool` carves the buffers from one anonymous mapping that only cache
+buffers share, first fit, merging neighbours as they are freed, so a cache
+reuses its predecessors' pages. Nothing is handed back to the kernel: the
+pool's resident memory is its high-water mark, as the heap's is when malloc
+keeps freed memory, and it is used only then (`pool`).
+
+>>> keys = empty(like=key_states, shape=(64, 3, 900, 64))   # from the pool when there is one
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import math
+import mmap
+import os
+import weakref
+from collections.abc import Iterator
+
+import torch
+
+from contrail.allocator import keeps_freed_memory
+
+ALIGN = 4096  # bytes: every buffer starts on a page
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python < 3.12 does not name it
+
+
+class BufferPool:
+    """Tensors carved from ``capacity`` bytes of anonymous memory; a buffer's range is free again once the last
+    tensor viewing it is gone.
+
+    Address space only is reserved (``MAP_NORESERVE``): pages are backed as
+    buffers first touch them. A request that no free range fits returns None
+    (the caller allocates as usual).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity - capacity % ALIGN
+        self._memory = mmap.mmap(-1, self.capacity, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+        self._free: list[list[int]] = [[0, self.capacity]]  # sorted [offset, size] ranges
+        # Ranges whose tensors died, merged into ``_free`` at the next request: a tensor can die (and its
+        # finalizer run) in the middle of `empty`, which must not see ``_free`` change under it.
+        self._returned: collections.deque[tuple[int, int]] = collections.deque()
+        self.high_water = 0  # bytes: the end of the furthest range ever handed out (the pool's resident size)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype`` from the pool, or None if none fits."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes == 0:
+            return None
+        size = -(-nbytes // ALIGN) * ALIGN
+        self._merge_returned()
+        offset = self._take(size)
+        if offset is None:
+            return None
+        self.high_water = max(self.high_water, offset + size)
+        window = memoryview(self._memory)[offset:offset + nbytes]
+        # The tensor's storage holds ``window`` until its last view dies; then the range is free again.
+        weakref.finalize(window, self._returned.append, (offset, size))
+        # Set into a fresh tensor rather than viewed: a view's ``_base`` would be the flat tensor, and decode
+        # attention finds a cache's whole buffer as its views' ``_base`` (`contrail.agent.attention.whole_buffers`).
+        storage = torch.frombuffer(window, dtype=dtype).untyped_storage()
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
+
+    def free_bytes(self) -> int:
+        """Bytes free for new buffers (including ranges freed since the last request)."""
+        self._merge_returned()
+        return sum(size for _, size in self._free)
+
+    def _take(self, size: int) -> int | None:
+        for index, (offset, free) in enumerate(self._free):
+            if free >= size:  # first fit: low offsets are reused first, so the touched part stays small
+                if free == size:
+                    del self._free[index]
+                else:
+                    self._free[index] = [offset + size, free - size]
+                return offset
+        return None
+
+    def _merge_returned(self) -> None:
+        while self._returned:
+            offset, size = self._returned.popleft()
+            index = bisect.bisect(self._free, [offset, size])
+            self._free.insert(index, [offset, size])
+            if index + 1 < len(self._free) and offset + size == self._free[index + 1][0]:  # the next range
+                self._free[index][1] += self._free.pop(index + 1)[1]
+            if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == offset:  # the previous one
+                self._free[index - 1][1] += self._free.pop(index)[1]
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+_pool: BufferPool | None = None
+_pool_tried = False
+
+
+def pool() -> BufferPool | None:
+    """The process's pool, created on first use; None unless malloc keeps freed memory in this process
+    (`contrail.allocator.keep_freed_memory`, which the ``contrail`` command calls) or where no address space
+    the size of physical memory can be reserved."""
+    global _pool, _pool_tried
+    if _pool is None and not _pool_tried and keeps_freed_memory():
+        _pool_tried = True
+        try:
+            _pool = BufferPool(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (OSError, ValueError, AttributeError):  # strict overcommit, or no sysconf
+            _pool = None
+    return _pool
+
+
+@contextlib.contextmanager
+def pooling(buffers: BufferPool | None) -> Iterator[BufferPool | None]:
+    """Within the block, cache buffers come from ``buffers`` (None: from the heap), whatever `pool` would say.
+
+    For a program that imports contrail and wants the pool without keeping
+    all freed memory (`contrail.allocator`), or a test that compares both.
+    """
+    global _pool, _pool_tried
+    before = _pool, _pool_tried
+    _pool, _pool_tried = buffers, True
+    try:
+        yield buffers
+    finally:
+        _pool, _pool_tried = before
+
+
+def empty(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` with ``like``'s dtype and device: from the pool for a CPU tensor when
+    there is one, else as ``like.new_empty`` allocates."""
+    source = pool() if like.device.type == "cpu" else None
+    tensor = source.empty(tuple(shape), like.dtype) if source is not None else None
+    return tensor if tensor is not None else like.new_empty(shape)

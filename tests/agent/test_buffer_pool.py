@@ -1,0 +1,100 @@
+"""The KV-cache buffer pool: ranges come back when their last view dies, neighbours merge, and sampling with
+the pool gives what sampling from the heap gives."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from contrail.agent import HFBackend, SamplingParams
+from contrail.agent.buffer_pool import ALIGN, BufferPool, empty, pool, pooling
+from contrail.testing import tiny_model
+
+PAGE_OF_BF16 = (ALIGN // 2,)  # one page of bf16 elements
+
+
+def test_a_range_is_reused_only_once_the_last_tensor_viewing_it_is_gone():
+    buffers = BufferPool(16 * ALIGN)
+    first = buffers.empty((4, 1024), torch.bfloat16)
+    address = first.data_ptr()
+    view = first[:, :10]
+    del first
+    gc.collect()
+    assert buffers.empty(PAGE_OF_BF16, torch.bfloat16).data_ptr() != address  # the view still holds it
+    del view
+    assert buffers.empty((4, 1024), torch.bfloat16).data_ptr() == address
+
+
+def test_freed_neighbours_merge_into_one_range_that_a_larger_buffer_fits():
+    buffers = BufferPool(8 * ALIGN)
+    a, b, c = (buffers.empty(PAGE_OF_BF16, torch.bfloat16) for _ in range(3))
+    start, top = a.data_ptr(), buffers.high_water
+    del b, a  # freed in reverse order: merged either way
+    merged = buffers.empty((ALIGN,), torch.bfloat16)  # two pages
+    assert merged.data_ptr() == start and buffers.high_water == top  # below c: the pool did not grow
+    del merged, c
+    assert buffers.free_bytes() == buffers.capacity
+
+
+def test_a_buffer_holds_its_shape_dtype_and_values_and_views_write_into_it():
+    buffers = BufferPool(64 * ALIGN)
+    keys = buffers.empty((2, 3, 5, 8), torch.float32)
+    assert keys.shape == (2, 3, 5, 8) and keys.dtype == torch.float32 and keys.is_contiguous()
+    assert keys.data_ptr() % ALIGN == 0
+    keys.fill_(0)
+    keys[:, :, :2] = 1.5
+    assert keys.sum().item() == 1.5 * 2 * 3 * 2 * 8
+
+
+def test_decode_attention_reads_a_pooled_cache_buffer_whole_in_place():
+    from contrail.agent.attention import whole_buffers
+
+    buffers = BufferPool(64 * ALIGN)
+    keys, values = (buffers.empty((2, 3, 40, 8), torch.bfloat16) for _ in range(2))
+    assert keys._base is None  # not a view of the pool's flat memory: its views' ``_base`` is the buffer
+    mask = torch.ones(2, 1, 1, 30, dtype=torch.bool)
+    whole_keys, whole_values, widened = whole_buffers(keys[..., :30, :], values[..., :30, :], mask)
+    assert whole_keys.data_ptr() == keys.data_ptr() and whole_keys.shape == keys.shape
+    assert whole_values.shape == values.shape and widened.shape[-1] == 40 and not widened[..., 30:].any()
+
+
+def test_a_request_the_pool_cannot_fit_comes_from_the_heap():
+    with pooling(BufferPool(2 * ALIGN)) as buffers:
+        held = empty(torch.zeros(1, dtype=torch.bfloat16), (ALIGN,))  # two pages: the whole pool
+        spilled = empty(torch.zeros(1, dtype=torch.bfloat16), (4, ALIGN))
+        assert buffers.empty(PAGE_OF_BF16, torch.bfloat16) is None
+        assert spilled.shape == (4, ALIGN) and buffers.free_bytes() == 0
+    del held
+    assert pool() is None  # outside the block: this test process does not keep freed memory
+
+
+@pytest.mark.parametrize("share_prefix", [True, False])
+def test_sampling_with_the_pool_matches_the_heap_and_returns_every_range(tokenizer, share_prefix):
+    model = tiny_model(tokenizer, seed=3)
+    instructions = "you play a word game . " * 12
+    prompts = [tokenizer(instructions + rest)["input_ids"] for rest in
+               ("go .", "say the word . " * 30, "go on .", "say . " * 20, "go .")]
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    stop = frozenset({tokenizer.convert_tokens_to_ids(".")})  # rows stop at different steps: some are parked
+
+    def two_turns(backend):
+        first = backend.generate(prompts, params)
+        follow = [p + g.ids + tokenizer(" ok . " * (i + 1))["input_ids"] for i, (p, g) in
+                  enumerate(zip(prompts, first))]
+        return first + backend.generate(follow, params)
+
+    with pooling(None):
+        plain = two_turns(HFBackend(model, stop, tokenizer.pad_token_id, seed=5, share_prefix=share_prefix))
+    with pooling(BufferPool(1 << 30)) as buffers:
+        backend = HFBackend(model, stop, tokenizer.pad_token_id, seed=5, share_prefix=share_prefix)
+        pooled = two_turns(backend)
+        assert buffers.high_water > 0  # the caches lived in the pool
+        backend.reset_cache()
+        del backend
+        gc.collect()
+        assert buffers.free_bytes() == buffers.capacity  # and every range came back
+    assert [g.ids for g in pooled] == [g.ids for g in plain]
+    for a, b in zip(pooled, plain):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
