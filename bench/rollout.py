@@ -35,6 +35,11 @@
     experiences mixed by opening length, alternating on one loaded model,
     and per experience how many episodes the two played differently (in
     bf16, rounding that depends on a batch's shape).
+(j) ``--buffer-pool``: an experiment's whole evaluation with the KV caches'
+    buffers from `contrail.agent.buffer_pool` against from the heap,
+    alternating in one process (whose malloc keeps freed memory, as the
+    ``contrail`` command's), with the process's system seconds in each round:
+    the first round of each pays for its fresh memory, later rounds reuse it.
 
     python bench/rollout.py --quick                       # embedded SmolLM2-135M, a few minutes on 2 cores
     python bench/rollout.py --model tiny                  # random 2-layer model: overheads only
@@ -49,11 +54,14 @@
     python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
         --buckets 3,6                                     # (h) at most 3 against at most 6 prefill buckets
     python bench/rollout.py --evaluation experiments/quickstart.yaml --experience-batches   # (i) apart vs mixed
+    python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
+        --buffer-pool                                     # (j) KV buffers from the pool vs the heap
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -100,6 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --evaluation, run (h) instead of (e): at most A against at most B prefill buckets")
     parser.add_argument("--experience-batches", action="store_true",
                         help="with --evaluation, run (i) instead of (e): experiences in batches apart vs mixed")
+    parser.add_argument("--buffer-pool", action="store_true",
+                        help="with --evaluation, run (j) instead of (e): KV buffers from the pool vs the heap")
     parser.add_argument("--prefill-attention", action="store_true",
                         help="run (f) only: a prefill's attention, row spans against SDPA's kernel")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -413,11 +423,12 @@ def parking(policy, args, out) -> dict:
 # --- (g) evaluation batches by opening length ---------------------------------------------------
 
 
-def alternate_evaluations(policy, args, variants: dict) -> tuple[dict, dict, int, int, bool]:
+def alternate_evaluations(policy, args, variants: dict) -> tuple[dict, dict, int, int, bool, dict, dict]:
     """``args.evaluation``'s whole evaluation once per variant in each of ``args.repeats`` rounds, alternating.
 
-    ``variants`` maps a label to ``(backend options, evaluate options)``. Returns the seconds and the
-    avg@k per label, the episodes, the batch size and whether it ran in bf16.
+    ``variants`` maps a label to ``(backend options, evaluate options)``, or with a third element, a function
+    returning the context manager each of its rounds runs in. Returns the seconds and the avg@k per label, the
+    episodes, the batch size, whether it ran in bf16, the episodes' token ids and the system seconds per label.
     """
     from contrail.evaluation import evaluate
     from contrail.experiment import build_stream, load_experiment
@@ -433,20 +444,25 @@ def alternate_evaluations(policy, args, variants: dict) -> tuple[dict, dict, int
     seconds: dict = {label: [] for label in variants}
     scores: dict = {}
     played: dict = {}
+    system_seconds: dict = {label: [] for label in variants}
     for _ in range(args.repeats):
-        for label, (backend_options, evaluate_options) in variants.items():
+        for label, (backend_options, evaluate_options, *setting) in variants.items():
             backend = HFBackend(policy.model, policy.chat.stop_ids, policy.tokenizer.pad_token_id,
                                 autocast_bf16=bf16, max_batch_size=batch, **backend_options)
             trajectories: dict = {}
-            start = time.perf_counter()
-            results = evaluate(backend, policy.chat, tasks, env_factory(stream.experiences), k=experiment.eval.k,
-                               config=experiment.eval_rollout, batch_episodes=batch, show_progress=False,
-                               seed=derive_seed(experiment.seed, "eval"), episodes=trajectories, **evaluate_options)
+            start, system = time.perf_counter(), os.times().system
+            with setting[0]() if setting else contextlib.nullcontext():
+                results = evaluate(backend, policy.chat, tasks, env_factory(stream.experiences),
+                                   k=experiment.eval.k, config=experiment.eval_rollout, batch_episodes=batch,
+                                   show_progress=False, seed=derive_seed(experiment.seed, "eval"),
+                                   episodes=trajectories, **evaluate_options)
+                del backend  # its kept cache goes back (to the pool, inside the setting) before the next round
             seconds[label].append(time.perf_counter() - start)
+            system_seconds[label].append(os.times().system - system)
             scores[label] = {name: result.avg_at_k for name, result in results.items()}
             played[label] = {name: [t.ids for t in episodes] for name, episodes in trajectories.items()}
     episodes = sum(len(t) for t in tasks.values()) * experiment.eval.k
-    return seconds, scores, episodes, batch, bf16, played
+    return seconds, scores, episodes, batch, bf16, played, system_seconds
 
 
 def _evaluation_rows(seconds: dict, scores: dict) -> list[list[str]]:
@@ -458,7 +474,7 @@ def evaluation_order(policy, args, out) -> dict:
     """An experiment's whole evaluation, batched by opening length and in task order, alternating rounds."""
     variants = {"task order": ({}, {"by_opening_length": False}),
                 "by opening length": ({}, {"by_opening_length": True})}
-    seconds, scores, episodes, batch, bf16, _ = alternate_evaluations(policy, args, variants)
+    seconds, scores, episodes, batch, bf16, _, _ = alternate_evaluations(policy, args, variants)
     ratio = median(seconds["by opening length"]) / median(seconds["task order"])
     out.print(table(f"(g) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
                     f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
@@ -478,7 +494,7 @@ def experience_batches(policy, args, out) -> dict:
     bf16, rounding that depends on a batch's shape (fp32 should show none).
     """
     variants = {"mixed": ({}, {"mixed_batches": True}), "apart": ({}, {})}
-    seconds, scores, episodes, batch, bf16, played = alternate_evaluations(policy, args, variants)
+    seconds, scores, episodes, batch, bf16, played, _ = alternate_evaluations(policy, args, variants)
     differ = {name: sum(a != b for a, b in zip(played["mixed"][name], played["apart"][name], strict=True))
               for name in played["apart"]}
     ratio = median(seconds["apart"]) / median(seconds["mixed"])
@@ -491,6 +507,31 @@ def experience_batches(policy, args, out) -> dict:
             "episodes_that_differ": differ}
 
 
+# --- (j) the KV buffer pool ---------------------------------------------------------------------
+
+
+def buffer_pool(policy, args, out) -> dict:
+    """An experiment's whole evaluation with KV buffers from a `BufferPool` and from the heap, alternating."""
+    from contrail.agent.buffer_pool import BufferPool, pooling
+
+    pool = BufferPool(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # as `buffer_pool.pool` reserves
+    variants = {"heap": ({}, {}, lambda: pooling(None)), "pool": ({}, {}, lambda: pooling(pool))}
+    seconds, scores, episodes, batch, bf16, played, system = alternate_evaluations(policy, args, variants)
+    differ = {name: sum(a != b for a, b in zip(played["heap"][name], played["pool"][name], strict=True))
+              for name in played["pool"]}
+    ratio = median(seconds["pool"]) / median(seconds["heap"])
+    rows = [[label, " / ".join(fmt(s, 1) for s in seconds[label]), " / ".join(fmt(s, 1) for s in system[label]),
+             ", ".join(f"{name} {score:.3f}" for name, score in scores[label].items())] for label in seconds]
+    out.print(table(f"(j) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
+                    f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds, heap first; pool / heap: "
+                    f"{fmt(ratio, 2)}x (medians); the pool's high-water mark {pool.high_water / 1e9:.2f} GB; "
+                    "episodes that differ: "
+                    + ", ".join(f"{name} {count} of {len(played['pool'][name])}" for name, count in differ.items()),
+                    ["KV buffers", "seconds", "system seconds", "avg@k"], rows))
+    return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "system_seconds": system,
+            "ratio": ratio, "avg_at_k": scores, "episodes_that_differ": differ, "pool_high_water": pool.high_water}
+
+
 # --- (h) prefill buckets ------------------------------------------------------------------------
 
 
@@ -498,7 +539,7 @@ def prefill_buckets(policy, args, out) -> dict:
     """An experiment's whole evaluation with at most A and at most B prefill buckets, alternating rounds."""
     counts = [int(count) for count in args.buckets.split(",")]
     variants = {f"at most {count}": ({"max_buckets": count}, {}) for count in counts}
-    seconds, scores, episodes, batch, bf16, _ = alternate_evaluations(policy, args, variants)
+    seconds, scores, episodes, batch, bf16, _, _ = alternate_evaluations(policy, args, variants)
     ratio = median(seconds[f"at most {counts[-1]}"]) / median(seconds[f"at most {counts[0]}"])
     out.print(table(f"(h) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
                     f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
@@ -601,6 +642,10 @@ def main(argv=None) -> None:
         return
     if args.evaluation and args.buckets:
         report["prefill_buckets"] = prefill_buckets(policy, args, out)
+        write_json(args.json, report)
+        return
+    if args.evaluation and args.buffer_pool:
+        report["buffer_pool"] = buffer_pool(policy, args, out)
         write_json(args.json, report)
         return
     if args.evaluation and args.experience_batches:
