@@ -6,9 +6,10 @@ allocates thousands of small objects (token lists, logits rows) that live on.
 In malloc's one heap (`contrail.allocator` keeps freed memory there) those
 small blocks land in the holes the freed caches leave, so the next, larger
 cache rarely fits and the heap grows: after its warm-start, a quickstart's
-first evaluation held 1.6-2.6 GB in use in a heap grown to 10.4 GB. Each new page costs a fault, and on some cloud
-VMs, whose host backs a page only when the guest first touches it, about
-8 s per GB in the kernel (README, "Measured here").
+first evaluation held 1.6-2.6 GB in use in a heap grown to 10.4 GB. Each
+new page costs a fault, and on some cloud VMs, whose host backs a page only
+when the guest first touches it, about 8 s per GB in the kernel (README,
+"Measured here").
 
 `BufferPool` carves the buffers from one anonymous mapping that only cache
 buffers share, first fit, merging neighbours as they are freed, so a cache
