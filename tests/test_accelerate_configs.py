@@ -182,8 +182,8 @@ def two_stage_experiment(tmp_path: Path, out: str, checkpoint_minutes: float = 5
 
 
 def run_rows(run_dir: Path) -> list[dict]:
-    """A run's rows without their wall times."""
-    rows = [{k: v for k, v in json.loads(line).items() if "seconds" not in k}  # wall and evaluation times
+    """A run's rows without the machine's measures (wall, evaluation and system times, peak memory)."""
+    rows = [{k: v for k, v in json.loads(line).items() if "seconds" not in k and k != "peak_memory_gb"}
             for line in (run_dir / "results.jsonl").read_text().splitlines()]
     for row in rows:
         row["train"].pop("seconds", None)
