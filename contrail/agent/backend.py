@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from contrail.agent.attention import decoding_attention
-from contrail.agent.buffer_pool import empty as pooled
+from contrail.agent.buffer_pool import select_rows
 from contrail.agent.kv_cache import GrowingLayer, growing_cache
 from contrail.models import forward_accepts
 
@@ -188,8 +188,7 @@ class _Session:
         cache = copy.copy(self.cache)
         cache.layers = [copy.copy(layer) for layer in self.cache.layers]
         for layer in cache.layers:
-            layer.keys, layer.values = (torch.index_select(t, 0, index, out=pooled(t, (len(index), *t.shape[1:])))
-                                        for t in (layer.keys, layer.values))
+            layer.keys, layer.values = select_rows(layer.keys, index), select_rows(layer.values, index)
         return _Session(cache, self.attention[index], self.next_position[index],
                         [list(self.known[i]) for i in index.tolist()])
 

@@ -74,7 +74,7 @@ class BufferPool:
         # Set into a fresh tensor rather than viewed: a view's ``_base`` would be the flat tensor, and decode
         # attention finds a cache's whole buffer as its views' ``_base`` (`contrail.agent.attention.whole_buffers`).
         storage = torch.frombuffer(window, dtype=dtype).untyped_storage()
-        return torch.empty(0, dtype=dtype).set_(storage, 0, shape, _contiguous_strides(shape))
+        return torch.empty(0, dtype=dtype).set_(storage, 0, shape)  # no strides given: contiguous
 
     def free_bytes(self) -> int:
         """Bytes free for new buffers (including ranges freed since the last request)."""
@@ -100,14 +100,6 @@ class BufferPool:
                 self._free[index][1] += self._free.pop(index + 1)[1]
             if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == offset:  # the previous one
                 self._free[index - 1][1] += self._free.pop(index)[1]
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 _pool: BufferPool | None = None
@@ -150,3 +142,8 @@ def empty(like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     source = pool() if like.device.type == "cpu" else None
     tensor = source.empty(tuple(shape), like.dtype) if source is not None else None
     return tensor if tensor is not None else like.new_empty(shape)
+
+
+def select_rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``tensor`` (its first dimension), copied into a buffer from `empty`."""
+    return torch.index_select(tensor, 0, index, out=empty(tensor, (len(index), *tensor.shape[1:])))

@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from contrail.agent.buffer_pool import empty as pooled
+from contrail.agent.buffer_pool import select_rows
 
 MIN_HEADROOM = 64  # positions: one turn's generation (the quickstart's 40 tokens) fits without a reallocation
 
@@ -78,8 +79,7 @@ class GrowingLayer(DynamicLayer):
             return
         length = self.keys.shape[-2]
         _, keys, values = self._buffers
-        keys, values = (torch.index_select(t, 0, indices, out=pooled(t, (len(indices), *t.shape[1:])))
-                        for t in (keys, values))
+        keys, values = select_rows(keys, indices), select_rows(values, indices)
         self._buffers = (id(self), keys, values)
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
 
