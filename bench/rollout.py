@@ -40,6 +40,9 @@
     alternating in one process (whose malloc keeps freed memory, as the
     ``contrail`` command's), with the process's system seconds in each round:
     the first round of each pays for its fresh memory, later rounds reuse it.
+(k) ``--pool-huge-pages``: the same with two pools, one with 4 kB pages
+    (contrail's) and one whose memory asks for 2 MB pages
+    (``BufferPool(huge_pages=True)``), alternating, 4 kB pages first.
 
     python bench/rollout.py --quick                       # embedded SmolLM2-135M, a few minutes on 2 cores
     python bench/rollout.py --model tiny                  # random 2-layer model: overheads only
@@ -110,6 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --evaluation, run (i) instead of (e): experiences in batches apart vs mixed")
     parser.add_argument("--buffer-pool", action="store_true",
                         help="with --evaluation, run (j) instead of (e): KV buffers from the pool vs the heap")
+    parser.add_argument("--pool-huge-pages", action="store_true",
+                        help="with --evaluation, run (k) instead of (e): the pool's memory in 2 MB vs 4 kB pages")
     parser.add_argument("--prefill-attention", action="store_true",
                         help="run (f) only: a prefill's attention, row spans against SDPA's kernel")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -532,6 +537,30 @@ def buffer_pool(policy, args, out) -> dict:
             "ratio": ratio, "avg_at_k": scores, "episodes_that_differ": differ, "pool_high_water": pool.high_water}
 
 
+def pool_huge_pages(policy, args, out) -> dict:
+    """An experiment's whole evaluation with KV buffers from a pool of 4 kB pages and one of 2 MB pages, alternating."""
+    from contrail.agent.buffer_pool import BufferPool, pooling
+
+    capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    pools = {"4 kB pages": BufferPool(capacity, huge_pages=False), "2 MB pages": BufferPool(capacity, huge_pages=True)}
+    variants = {label: ({}, {}, lambda buffers=buffers: pooling(buffers)) for label, buffers in pools.items()}
+    seconds, scores, episodes, batch, bf16, played, system = alternate_evaluations(policy, args, variants)
+    small, huge = pools
+    differ = {name: sum(a != b for a, b in zip(played[small][name], played[huge][name], strict=True))
+              for name in played[huge]}
+    ratio = median(seconds[huge]) / median(seconds[small])
+    rows = [[label, " / ".join(fmt(s, 1) for s in seconds[label]), " / ".join(fmt(s, 1) for s in system[label]),
+             ", ".join(f"{name} {score:.3f}" for name, score in scores[label].items())] for label in seconds]
+    out.print(table(f"(k) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
+                    f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds, 4 kB pages first; "
+                    f"2 MB / 4 kB pages: {fmt(ratio, 2)}x (medians); huge pages granted: "
+                    f"{pools[huge].huge_pages}; episodes that differ: "
+                    + ", ".join(f"{name} {count} of {len(played[huge][name])}" for name, count in differ.items()),
+                    ["KV buffers", "seconds", "system seconds", "avg@k"], rows))
+    return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "system_seconds": system,
+            "ratio": ratio, "avg_at_k": scores, "episodes_that_differ": differ}
+
+
 # --- (h) prefill buckets ------------------------------------------------------------------------
 
 
@@ -646,6 +675,10 @@ def main(argv=None) -> None:
         return
     if args.evaluation and args.buffer_pool:
         report["buffer_pool"] = buffer_pool(policy, args, out)
+        write_json(args.json, report)
+        return
+    if args.evaluation and args.pool_huge_pages:
+        report["pool_huge_pages"] = pool_huge_pages(policy, args, out)
         write_json(args.json, report)
         return
     if args.evaluation and args.experience_batches:

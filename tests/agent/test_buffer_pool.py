@@ -4,6 +4,8 @@ the pool gives what sampling from the heap gives."""
 from __future__ import annotations
 
 import gc
+import mmap
+import os
 
 import pytest
 import torch
@@ -46,6 +48,29 @@ def test_a_buffer_holds_its_shape_dtype_and_values_and_views_write_into_it():
     keys.fill_(0)
     keys[:, :, :2] = 1.5
     assert keys.sum().item() == 1.5 * 2 * 3 * 2 * 8
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The kernel's flags for the mapping holding ``address`` (``/proc/self/smaps``)."""
+    inside = False
+    for line in open("/proc/self/smaps", encoding="ascii").read().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(end, 16) for end in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+                    reason="a Linux kernel with transparent huge pages")
+@pytest.mark.parametrize("huge_pages", [True, False])
+def test_the_pool_asks_for_huge_pages_only_when_told(huge_pages):
+    buffers = BufferPool(64 * ALIGN, huge_pages=huge_pages)
+    first = buffers.empty(PAGE_OF_BF16, torch.bfloat16)
+    assert buffers.huge_pages == huge_pages
+    assert ("hg" in _vm_flags(first.data_ptr())) == huge_pages  # the kernel's mark of MADV_HUGEPAGE
 
 
 def test_decode_attention_reads_a_pooled_cache_buffer_whole_in_place():
