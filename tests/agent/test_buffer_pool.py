@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def test_a_buffer_holds_its_shape_dtype_and_values_and_views_write_into_it():
 def _vm_flags(address: int) -> list[str]:
     """The kernel's flags for the mapping holding ``address`` (``/proc/self/smaps``)."""
     inside = False
-    for line in open("/proc/self/smaps", encoding="ascii").read().splitlines():
+    for line in Path("/proc/self/smaps").read_text(errors="replace").splitlines():
         head = line.split()[0]
         if "-" in head and not head.endswith(":"):
             low, high = (int(end, 16) for end in head.split("-"))
