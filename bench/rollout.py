@@ -500,13 +500,12 @@ def experience_batches(policy, args, out) -> dict:
     """
     variants = {"mixed": ({}, {"mixed_batches": True}), "apart": ({}, {})}
     seconds, scores, episodes, batch, bf16, played, _ = alternate_evaluations(policy, args, variants)
-    differ = {name: sum(a != b for a, b in zip(played["mixed"][name], played["apart"][name], strict=True))
-              for name in played["apart"]}
+    differ = _episodes_that_differ(played, "mixed", "apart")
     ratio = median(seconds["apart"]) / median(seconds["mixed"])
     out.print(table(f"(i) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
                     f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; "
                     f"apart / mixed: {fmt(ratio, 2)}x (medians); episodes that differ: "
-                    + ", ".join(f"{name} {count} of {len(played['apart'][name])}" for name, count in differ.items()),
+                    f"{_differ_text(differ, played['apart'])}",
                     ["experiences", "seconds", "avg@k"], _evaluation_rows(seconds, scores)))
     return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "ratio": ratio, "avg_at_k": scores,
             "episodes_that_differ": differ}
@@ -517,48 +516,56 @@ def experience_batches(policy, args, out) -> dict:
 
 def buffer_pool(policy, args, out) -> dict:
     """An experiment's whole evaluation with KV buffers from a `BufferPool` and from the heap, alternating."""
-    from contrail.agent.buffer_pool import BufferPool, pooling
+    from contrail.agent.buffer_pool import BufferPool
 
-    pool = BufferPool(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))  # as `buffer_pool.pool` reserves
-    variants = {"heap": ({}, {}, lambda: pooling(None)), "pool": ({}, {}, lambda: pooling(pool))}
-    seconds, scores, episodes, batch, bf16, played, system = alternate_evaluations(policy, args, variants)
-    differ = {name: sum(a != b for a, b in zip(played["heap"][name], played["pool"][name], strict=True))
-              for name in played["pool"]}
-    ratio = median(seconds["pool"]) / median(seconds["heap"])
-    rows = [[label, " / ".join(fmt(s, 1) for s in seconds[label]), " / ".join(fmt(s, 1) for s in system[label]),
-             ", ".join(f"{name} {score:.3f}" for name, score in scores[label].items())] for label in seconds]
-    out.print(table(f"(j) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
-                    f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds, heap first; pool / heap: "
-                    f"{fmt(ratio, 2)}x (medians); the pool's high-water mark {pool.high_water / 1e9:.2f} GB; "
-                    "episodes that differ: "
-                    + ", ".join(f"{name} {count} of {len(played['pool'][name])}" for name, count in differ.items()),
-                    ["KV buffers", "seconds", "system seconds", "avg@k"], rows))
-    return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "system_seconds": system,
-            "ratio": ratio, "avg_at_k": scores, "episodes_that_differ": differ, "pool_high_water": pool.high_water}
+    pool = BufferPool(_physical_memory())  # as `buffer_pool.pool` reserves
+    report = _alternating_buffers(policy, args, out, "j", {"heap": None, "pool": pool},
+                                  lambda: f"the pool's high-water mark {pool.high_water / 1e9:.2f} GB")
+    return {**report, "pool_high_water": pool.high_water}
 
 
 def pool_huge_pages(policy, args, out) -> dict:
     """An experiment's whole evaluation with KV buffers from a pool of 4 kB pages and one of 2 MB pages, alternating."""
-    from contrail.agent.buffer_pool import BufferPool, pooling
+    from contrail.agent.buffer_pool import BufferPool
 
-    capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    pools = {"4 kB pages": BufferPool(capacity, huge_pages=False), "2 MB pages": BufferPool(capacity, huge_pages=True)}
-    variants = {label: ({}, {}, lambda buffers=buffers: pooling(buffers)) for label, buffers in pools.items()}
+    huge = BufferPool(_physical_memory(), huge_pages=True)
+    sources = {"4 kB pages": BufferPool(_physical_memory()), "2 MB pages": huge}
+    return _alternating_buffers(policy, args, out, "k", sources, lambda: f"huge pages granted: {huge.huge_pages}")
+
+
+def _alternating_buffers(policy, args, out, mark: str, sources: dict, note) -> dict:
+    """The whole evaluation with KV buffers from each of ``sources`` (label -> pool, None: the heap) in alternating
+    rounds, the first label first and the baseline of the ratio; ``note()`` adds to the table's title."""
+    from contrail.agent.buffer_pool import pooling
+
+    variants = {label: ({}, {}, lambda buffers=buffers: pooling(buffers)) for label, buffers in sources.items()}
     seconds, scores, episodes, batch, bf16, played, system = alternate_evaluations(policy, args, variants)
-    small, huge = pools
-    differ = {name: sum(a != b for a, b in zip(played[small][name], played[huge][name], strict=True))
-              for name in played[huge]}
-    ratio = median(seconds[huge]) / median(seconds[small])
+    base, other = sources
+    differ = _episodes_that_differ(played, base, other)
+    ratio = median(seconds[other]) / median(seconds[base])
     rows = [[label, " / ".join(fmt(s, 1) for s in seconds[label]), " / ".join(fmt(s, 1) for s in system[label]),
              ", ".join(f"{name} {score:.3f}" for name, score in scores[label].items())] for label in seconds]
-    out.print(table(f"(k) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
-                    f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds, 4 kB pages first; "
-                    f"2 MB / 4 kB pages: {fmt(ratio, 2)}x (medians); huge pages granted: "
-                    f"{pools[huge].huge_pages}; episodes that differ: "
-                    + ", ".join(f"{name} {count} of {len(played[huge][name])}" for name, count in differ.items()),
+    out.print(table(f"({mark}) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
+                    f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds, {base} first; {other} / {base}: "
+                    f"{fmt(ratio, 2)}x (medians); {note()}; "
+                    f"episodes that differ: {_differ_text(differ, played[other])}",
                     ["KV buffers", "seconds", "system seconds", "avg@k"], rows))
     return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "system_seconds": system,
             "ratio": ratio, "avg_at_k": scores, "episodes_that_differ": differ}
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _episodes_that_differ(played: dict, first: str, second: str) -> dict[str, int]:
+    """Per experience, how many episodes variants ``first`` and ``second`` played with other tokens."""
+    return {name: sum(a != b for a, b in zip(played[first][name], played[second][name], strict=True))
+            for name in played[second]}
+
+
+def _differ_text(differ: dict[str, int], played: dict) -> str:
+    return ", ".join(f"{name} {count} of {len(played[name])}" for name, count in differ.items())
 
 
 # --- (h) prefill buckets ------------------------------------------------------------------------
@@ -665,38 +672,20 @@ def main(argv=None) -> None:
     out.print(f"model {args.model}: {sum(p.numel() for p in policy.model.parameters()) / 1e6:.1f}M parameters, "
               f"loaded in {load_s:.1f}s")
     report = {"machine": info, "args": vars(args)}
-    if args.vllm:
-        report["vllm_vs_hf"] = vllm_vs_hf(policy, args, out)
-        write_json(args.json, report)
-        return
-    if args.evaluation and args.buckets:
-        report["prefill_buckets"] = prefill_buckets(policy, args, out)
-        write_json(args.json, report)
-        return
-    if args.evaluation and args.buffer_pool:
-        report["buffer_pool"] = buffer_pool(policy, args, out)
-        write_json(args.json, report)
-        return
-    if args.evaluation and args.pool_huge_pages:
-        report["pool_huge_pages"] = pool_huge_pages(policy, args, out)
-        write_json(args.json, report)
-        return
-    if args.evaluation and args.experience_batches:
-        report["experience_batches"] = experience_batches(policy, args, out)
-        write_json(args.json, report)
-        return
-    if args.evaluation and args.evaluation_order:
-        report["evaluation_order"] = evaluation_order(policy, args, out)
-        write_json(args.json, report)
-        return
-    if args.evaluation:
-        report["parking"] = parking(policy, args, out)
-        write_json(args.json, report)
-        return
-    if args.decode:
-        report["decode_paths"] = decode_paths(policy, args, out)
-        write_json(args.json, report)
-        return
+    for wanted, key, part in (
+        (args.vllm, "vllm_vs_hf", vllm_vs_hf),
+        (args.evaluation and args.buckets, "prefill_buckets", prefill_buckets),
+        (args.evaluation and args.buffer_pool, "buffer_pool", buffer_pool),
+        (args.evaluation and args.pool_huge_pages, "pool_huge_pages", pool_huge_pages),
+        (args.evaluation and args.experience_batches, "experience_batches", experience_batches),
+        (args.evaluation and args.evaluation_order, "evaluation_order", evaluation_order),
+        (args.evaluation, "parking", parking),
+        (args.decode, "decode_paths", decode_paths),
+    ):
+        if wanted:  # one part per run, the first asked for
+            report[key] = part(policy, args, out)
+            write_json(args.json, report)
+            return
     if not args.skip_a:
         report["batched_vs_sequential"] = batched_vs_sequential(policy, args, out)
     if not args.skip_b:
