@@ -170,13 +170,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def print_results(results, title: str) -> None:
-    """One row per experience: avg@k, pass@k, reward, turns, tokens, invalid rate, errors."""
+    """One row per experience: avg@k, pass@k, reward, turns, tokens, invalid and cut-turn rates, errors."""
     table = Table(title=title)
-    for column in ("experience", "tasks", "avg@k", "pass@k", "reward", "turns", "gen tokens", "invalid", "errors"):
+    columns = ("experience", "tasks", "avg@k", "pass@k", "reward", "turns", "gen tokens", "invalid", "cut", "errors")
+    for column in columns:
         table.add_column(column, justify="right" if column != "experience" else "left")
     for name, r in results.items():
         table.add_row(name, str(r.tasks), f"{r.avg_at_k:.3f}", f"{r.pass_at_k:.3f}", f"{r.reward:.3f}",
-                      f"{r.turns:.1f}", f"{r.generated_tokens:.0f}", f"{r.invalid_rate:.1%}", str(r.errors))
+                      f"{r.turns:.1f}", f"{r.generated_tokens:.0f}", f"{r.invalid_rate:.1%}", f"{r.cut_rate:.1%}",
+                      str(r.errors))
     console.print(table)
 
 

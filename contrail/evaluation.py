@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +40,8 @@ class EvalResult:
 
     Rates and means are over all ``tasks * k`` episodes (``nan`` when there
     are none); ``errors`` counts the episodes whose environment raised.
+    ``cut_rate`` is the share of turns cut off at ``max_new_tokens`` before the
+    model ended them (``nan`` in results written before it was recorded).
     """
 
     tasks: int
@@ -51,6 +54,7 @@ class EvalResult:
     invalid_rate: float
     truncated_rate: float
     errors: int
+    cut_rate: float = math.nan
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +88,7 @@ def summarize(trajectories: list[Trajectory], k: int) -> EvalResult:
         invalid_rate=sum(t.invalid_actions for t in trajectories) / turns if turns else float("nan"),
         truncated_rate=float(np.mean([t.truncated for t in trajectories])) if trajectories else float("nan"),
         errors=sum(t.error is not None for t in trajectories),
+        cut_rate=sum(t.cut_turns for t in trajectories) / turns if turns else float("nan"),
     )
 
 

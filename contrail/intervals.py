@@ -49,10 +49,11 @@ __all__ = [
 DEFAULT_SEED = 0
 DEFAULT_RESAMPLES = 2000
 # The per-cell measures that get an interval (EvalResult fields).
-CELL_MEASURES = ("avg_at_k", "pass_at_k", "reward", "turns", "generated_tokens", "invalid_rate")
+CELL_MEASURES = ("avg_at_k", "pass_at_k", "reward", "turns", "generated_tokens", "invalid_rate", "cut_rate")
 
 # Per-task sums kept for each cell; every measure is a ratio of weighted sums of these.
-_SUMS = ("episodes", "success_rate", "solved", "reward", "turns", "generated_tokens", "invalid_actions")
+_SUMS = ("episodes", "success_rate", "solved", "reward", "turns", "generated_tokens", "invalid_actions",
+         "cut_turns")
 # measure -> (numerator, denominator): over tasks (avg@k, pass@k) or over episodes/turns.
 _RATIOS = {
     "avg_at_k": ("success_rate", "present"),
@@ -61,6 +62,7 @@ _RATIOS = {
     "turns": ("turns", "episodes"),
     "generated_tokens": ("generated_tokens", "episodes"),
     "invalid_rate": ("invalid_actions", "turns"),
+    "cut_rate": ("cut_turns", "turns"),
 }
 
 
@@ -158,6 +160,8 @@ class TaskTable:
                 sums["turns"][row, i] += int(r.get("turns") or 0)
                 sums["generated_tokens"][row, i] += int(r.get("generated_tokens") or 0)
                 sums["invalid_actions"][row, i] += int(r.get("invalid_actions") or 0)
+                # Records written before turns were marked cut leave the row's cut rate undefined, not 0.
+                sums["cut_turns"][row, i] += int(r["cut_turns"]) if "cut_turns" in r else math.nan
         present = sums["episodes"] > 0
         sums["success_rate"] = np.divide(successes, sums["episodes"], out=np.zeros_like(successes), where=present)
         sums["solved"] = (successes > 0).astype(float)

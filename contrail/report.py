@@ -61,6 +61,7 @@ __all__ = [
 MEASURES = {
     "avg_at_k": "avg@k", "pass_at_k": "pass@k", "reward": "reward", "turns": "turns",
     "generated_tokens": "generated tokens", "invalid_rate": "invalid-action rate",
+    "cut_rate": "share of turns cut at max_new_tokens",
 }
 
 # The continual-learning metrics (on avg@k), with one-line definitions.
@@ -121,6 +122,12 @@ class RunData:
 
     def matrix(self, measure: str = "avg_at_k") -> np.ndarray:
         return result_matrix(self.rows, self.test, measure)
+
+    @property
+    def measures(self) -> dict[str, str]:
+        """The `MEASURES` some row recorded (a run older than a measure has no table of it)."""
+        recorded = {key for row in self.rows for cell in row.get("results", {}).values() for key in cell}
+        return {measure: title for measure, title in MEASURES.items() if measure in recorded}
 
     def metric_columns(self) -> list[int] | None:
         """Columns the recorded stages can define metrics for; None before stage 1.
@@ -343,7 +350,7 @@ def _markdown(analysis: Analysis) -> str:
         lines.append(f"- uncertainty: {analysis.note}")
     lines.append("")
     lines += _stages_table(data)
-    for measure, title in MEASURES.items():
+    for measure, title in data.measures.items():
         lines += [f"## {title} after each stage", ""]
         lines += _matrix_table(analysis, measure)
     lines += _metrics_section(analysis)
@@ -539,7 +546,7 @@ def _write_csv(analysis: Analysis) -> Path:
     with open(path, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["measure", "stage", "stage_name", *data.test, *extra])
-        for measure in MEASURES:
+        for measure in data.measures:
             R = data.matrix(measure)
             for i in range(R.shape[0]):
                 values = [_csv(v) for v in R[i]]

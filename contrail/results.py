@@ -183,17 +183,19 @@ def result_matrix(rows: list[dict[str, Any]], test_names: list[str], measure: st
     """The ``(S+1, N)`` matrix of ``measure`` (an `EvalResult` field) from results rows.
 
     Row ``s`` is stage ``s``; column ``j`` is ``test_names[j]``; an experience
-    missing from a row is ``nan``.
+    missing from a row is ``nan``, and so is a measure the row's results do
+    not hold while another row's do (one added since that row was written).
     """
+    cells = [row.get("results", {}).get(name) for row in rows for name in test_names]
+    known = {key for cell in cells if cell for key in cell}
+    if known and measure not in known:
+        raise ValueError(f"unknown measure {measure!r}; valid: {', '.join(sorted(known))}")
     R = np.full((len(rows), len(test_names)), np.nan)
     for i, row in enumerate(rows):
         results = row.get("results", {})
         for j, name in enumerate(test_names):
-            if name in results:
-                if measure not in results[name]:
-                    raise ValueError(f"unknown measure {measure!r}; valid: {', '.join(sorted(results[name]))}")
-                value = results[name][measure]
-                R[i, j] = math.nan if value is None else float(value)
+            value = results.get(name, {}).get(measure)
+            R[i, j] = math.nan if value is None else float(value)
     return R
 
 

@@ -462,7 +462,7 @@ def _usage() -> _Usage | None:
 def _train_summary(history: list[dict[str, float]]) -> dict[str, Any]:
     if not history:
         return {}
-    keys = ("reward_mean", "success_rate", "loss", "kl_mean", "invalid_rate", "step_seconds")
+    keys = ("reward_mean", "success_rate", "loss", "kl_mean", "invalid_rate", "cut_rate", "step_seconds")
     return {
         "steps": len(history),
         "first": {k: history[0].get(k) for k in keys},

@@ -12,7 +12,8 @@ import torch
 
 from contrail import envs
 from contrail.agent import ChatFormat, Generation
-from contrail.agent.rollout import RolloutConfig
+from contrail.agent.rollout import RolloutConfig, Trajectory
+from contrail.envs.base import Task
 from contrail.evaluation import START_BATCHES, Evaluator, evaluate, preserved_rng, summarize
 from contrail.testing import BerryWordEnv, MagicWordEnv, fed_widths, tiny_model, tiny_tokenizer
 
@@ -100,6 +101,16 @@ def test_preserved_rng_restores_even_after_an_error():
     except KeyError:
         pass
     assert torch.rand(1).item() == expected
+
+
+def test_summarize_counts_cut_turns_over_all_turns():
+    def episode(task_id, turns, cut):
+        task = Task(env="magic_word", id=task_id, split="test", difficulty="easy")
+        return Trajectory(task=task, ids=[], mask=[], logprobs=[], messages=[], turns=turns, cut_turns=cut)
+
+    result = summarize([episode(0, 3, 2), episode(0, 1, 0), episode(1, 2, 0)], k=2)
+    assert result.cut_rate == pytest.approx(2 / 6)  # over turns, as the invalid-action rate
+    assert np.isnan(summarize([], k=2).cut_rate)
 
 
 def test_summarize_of_no_episodes_is_nan_not_an_error():

@@ -77,6 +77,17 @@ def test_grpo_learns_the_magic_word(tmp_path):
         assert key in updated[-1], key
 
 
+def test_a_step_reports_the_share_of_its_turns_cut_at_the_token_limit():
+    tokenizer = tiny_tokenizer()
+    trainer = grpo(tiny_model(tokenizer, seed=3), tokenizer, GRPOConfig(lr=1e-3, group_size=4, tasks_per_step=4))
+    played = []
+    trainer.add_trajectory_editor(lambda trajectories, _: played.extend(trajectories) or trajectories)
+    stats = trainer.step(CyclingSampler(train_tasks()))
+    cut, turns = sum(t.cut_turns for t in played), sum(t.turns for t in played)
+    assert 0 < cut < turns  # a random model rarely ends a turn within 3 tokens, but sometimes does
+    assert stats["cut_rate"] == pytest.approx(cut / turns)
+
+
 @pytest.mark.parametrize("lora", [False, True])
 def test_every_trainable_parameter_changes(lora):
     if lora:

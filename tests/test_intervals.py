@@ -77,6 +77,18 @@ def test_rates_are_ratios_of_sums_like_the_evaluator():
     assert b.cell("reward", 0, 0).estimate == 0.5
 
 
+def test_cut_rate_is_cut_turns_over_turns_and_undefined_where_a_row_did_not_record_them():
+    # Task A: 2 episodes x 2 turns, 1 cut in each; task B: 2 episodes x 1 turn, none cut -> 2/6.
+    marked = [rec(0, False, turns=2, cut_turns=1), rec(0, False, turns=2, cut_turns=1),
+              rec(1, True, cut_turns=0), rec(1, True, cut_turns=0)]
+    older = [rec(0, False, turns=2), rec(0, False, turns=2), rec(1, True), rec(1, True)]  # before cuts were kept
+    b = boot([older, marked])
+    assert b.cell("cut_rate", 1, 0).estimate == pytest.approx(2 / 6)
+    assert math.isnan(b.cell("cut_rate", 0, 0).estimate)
+    assert math.isnan(b.change("cut_rate", 1, 0).estimate)
+    assert b.cell("invalid_rate", 0, 0).estimate == 0.0  # the other measures of the older row stand
+
+
 def test_metric_interval_uses_one_resample_for_all_rows():
     # exp a: rows 0,1,2 task rates A (0, 1, 0.5), B (0, 1, 1): BWT per task -0.5 and 0.
     # exp b (trained at stage 2) only adds columns BWT does not read.

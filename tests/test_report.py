@@ -82,6 +82,22 @@ def test_full_report_without_trajectories(tmp_path):
     assert metric_rows["delta_held_in"] == ["0.6", "", "", ""]
 
 
+def test_the_cut_turn_table_appears_once_a_row_records_it_and_an_older_row_shows_a_dash(tmp_path):
+    path = make_run(tmp_path / "old")  # rows written before turns were marked cut
+    assert "cut at max_new_tokens" not in write_report(path)[0].read_text()
+    rows = [json.loads(line) for line in (path / "results.jsonl").read_text().splitlines()]
+    for row, cut in zip(rows[1:], (0.125, 0.5)):  # row 0 read back from an older cache
+        for cell in row["results"].values():
+            cell["cut_rate"] = cut
+    (path / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    paths = write_report(path)
+    md = paths[0].read_text()
+    table = md.split("## share of turns cut at max_new_tokens after each stage")[1]
+    assert "| 0 warm-start | – | – | – |" in table and "| 2 b:easy | 0.500 | **0.500** | 0.500 |" in table
+    with open(paths[1]) as f:
+        assert ["cut_rate", "1", "a:easy", "0.125", "0.125", "0.125"] + [""] * 9 in list(csv.reader(f))
+
+
 def test_partial_run_report(tmp_path):
     path = make_run(tmp_path / "run", stages=1, finished=False, warm=False)
     md = write_report(path)[0].read_text()

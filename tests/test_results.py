@@ -159,6 +159,10 @@ def test_result_matrix(tmp_path):
     assert result_matrix(rows, ["a:easy"], "invalid_rate").tolist() == [[0.1], [0.1]]
     with pytest.raises(ValueError, match="unknown measure 'success'.*avg_at_k"):
         result_matrix(rows, ["a:easy"], "success")
+    # A measure added since an older row was written is nan in that row, not an error.
+    rows[1]["results"]["a:easy"]["cut_rate"] = 0.25
+    assert np.isnan(result_matrix(rows, ["a:easy"], "cut_rate")[0, 0])
+    assert result_matrix(rows, ["a:easy"], "cut_rate")[1, 0] == 0.25
     # NaN survives a round trip through results.jsonl
     run = RunDir(tmp_path)
     run.start(CONFIG)

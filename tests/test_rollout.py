@@ -71,6 +71,26 @@ def test_invalid_outputs_are_counted_and_fed_back(tokenizer, chat):
     assert traj.messages[-2]["content"] == "wrong . try again"  # the environment's own message
 
 
+def test_turns_cut_at_the_token_limit_are_counted_and_marked(tokenizer, chat):
+    class CutsSecondTurn(ScriptedBackend):  # its 2nd reply runs into the limit: no stop id, not stopped
+        def generate(self, prompts, params):
+            [generation] = super().generate(prompts, params)
+            if self.calls != 2:
+                return [generation]
+            return [Generation(generation.ids[:-1], generation.logprobs[:-1], stopped=False)]
+
+    backend = CutsSecondTurn(tokenizer, chat, ["berry", "cherry", "apple"])
+    [traj] = rollout(backend, chat, easy_tasks(), lambda t: MagicWordEnv())
+    assert traj.turns == 3 and traj.success
+    assert traj.cut_turns == 1 and traj.cut_rate == pytest.approx(1 / 3)
+    judged = [m for m in traj.messages if m["role"] == "assistant" and "valid" in m]
+    assert [m.get("cut", False) for m in judged] == [False, True, False]
+    assert traj.to_record()["cut_turns"] == 1
+    # The template still closes the cut turn, so the ids stay the conversation's rendering.
+    rendered = tokenizer.apply_chat_template(traj.messages, tokenize=False, add_generation_prompt=False)
+    assert traj.ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
 @pytest.fixture(scope="module")
 def random_policy(tokenizer, chat):
     model = tiny_model(tokenizer, seed=1)

@@ -90,7 +90,10 @@ class Trajectory:
     where ``ids[i]`` was sampled by the policy, and ``logprobs[i]`` is the
     sampler's log-probability there (0.0 elsewhere). ``messages`` is the same
     conversation as text, for people; an assistant message the environment
-    answered also carries ``"valid"`` (the step's own verdict on the action).
+    answered also carries ``"valid"`` (the step's own verdict on the action),
+    and one cut off at ``max_new_tokens`` before its end-of-turn id carries
+    ``"cut": True``. ``cut_turns`` counts those: a policy that stops ending its
+    turns shows there first (TRL's ``clipped_ratio``, per turn).
     """
 
     task: Task
@@ -103,6 +106,7 @@ class Trajectory:
     turns: int = 0
     generated_tokens: int = 0
     invalid_actions: int = 0
+    cut_turns: int = 0
     truncated: bool = False
     error: str | None = None
     sample: int = 0
@@ -111,12 +115,17 @@ class Trajectory:
     def invalid_rate(self) -> float:
         return self.invalid_actions / self.turns if self.turns else 0.0
 
+    @property
+    def cut_rate(self) -> float:
+        return self.cut_turns / self.turns if self.turns else 0.0
+
     def to_record(self) -> dict[str, Any]:
         """A JSON-able summary: the conversation text and the outcome (no ids)."""
         return {
             "task": self.task.to_dict(), "sample": self.sample, "reward": self.reward,
             "success": self.success, "turns": self.turns, "generated_tokens": self.generated_tokens,
-            "invalid_actions": self.invalid_actions, "truncated": self.truncated, "error": self.error,
+            "invalid_actions": self.invalid_actions, "cut_turns": self.cut_turns, "truncated": self.truncated,
+            "error": self.error,
             "messages": self.messages,
         }
 
@@ -241,6 +250,9 @@ def _record_turn(episode: Episode, generation, chat: ChatFormat) -> str:
     traj.turns += 1
     text = chat.tokenizer.decode([t for t in generation.ids if t not in chat.stop_ids], skip_special_tokens=False)
     traj.messages.append({"role": "assistant", "content": text})
+    if not generation.stopped:  # ran into max_new_tokens: the template closes the turn, not the model
+        traj.cut_turns += 1
+        traj.messages[-1]["cut"] = True
     episode.extend(chat.close_after(generation.ids), 0)
     return text
 

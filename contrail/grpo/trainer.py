@@ -497,5 +497,6 @@ def _rollout_stats(trajectories: list[Trajectory]) -> dict[str, float]:
         "generated_tokens": float(sum(t.generated_tokens for t in trajectories)),
         "episode_tokens_mean": float(np.mean([len(t.ids) for t in trajectories])),
         "invalid_rate": sum(t.invalid_actions for t in trajectories) / turns if turns else 0.0,
+        "cut_rate": sum(t.cut_turns for t in trajectories) / turns if turns else 0.0,
         "truncated_rate": float(np.mean([t.truncated for t in trajectories])),
     }
