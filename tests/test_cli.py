@@ -148,7 +148,7 @@ def test_overrides_may_follow_the_options(capsys, tmp_path):
                              "strategy=replay", "grpo.tasks_per_step=3")
     assert code == 0, err
     assert f"out {tmp_path / 'q'}, seed 0, strategy replay" in out
-    assert "6 steps × 3 tasks × group 6" in out
+    assert "6 steps × 3 tasks × group 8" in out
     code, _, err = run_cli(capsys, "run", "experiments/quickstart.yaml", "--dry-run", "strategy=nonsense")
     assert_one_line_error(code, err, "override 'strategy=nonsense': strategy: unknown strategy preset 'nonsense'")
 
