@@ -43,7 +43,7 @@ from contrail.intervals import (
     read_trajectories,
     seed_interval,
 )
-from contrail.results import RunDir, result_matrix
+from contrail.results import RunDir, recorded_measures, result_matrix
 
 __all__ = [
     "MEASURES",
@@ -126,7 +126,7 @@ class RunData:
     @property
     def measures(self) -> dict[str, str]:
         """The `MEASURES` some row recorded (a run older than a measure has no table of it)."""
-        recorded = {key for row in self.rows for cell in row.get("results", {}).values() for key in cell}
+        recorded = recorded_measures(self.rows)
         return {measure: title for measure, title in MEASURES.items() if measure in recorded}
 
     def metric_columns(self) -> list[int] | None:

@@ -35,7 +35,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import yaml
 
-__all__ = ["RESULT_NEUTRAL_KEYS", "RunDir", "RunExistsError", "config_differences", "result_matrix"]
+__all__ = ["RESULT_NEUTRAL_KEYS", "RunDir", "RunExistsError", "config_differences", "recorded_measures",
+           "result_matrix"]
 
 CONFIG = "config.yaml"
 RESULTS = "results.jsonl"
@@ -186,8 +187,7 @@ def result_matrix(rows: list[dict[str, Any]], test_names: list[str], measure: st
     missing from a row is ``nan``, and so is a measure the row's results do
     not hold while another row's do (one added since that row was written).
     """
-    cells = [row.get("results", {}).get(name) for row in rows for name in test_names]
-    known = {key for cell in cells if cell for key in cell}
+    known = recorded_measures(rows)
     if known and measure not in known:
         raise ValueError(f"unknown measure {measure!r}; valid: {', '.join(sorted(known))}")
     R = np.full((len(rows), len(test_names)), np.nan)
@@ -197,6 +197,11 @@ def result_matrix(rows: list[dict[str, Any]], test_names: list[str], measure: st
             value = results.get(name, {}).get(measure)
             R[i, j] = math.nan if value is None else float(value)
     return R
+
+
+def recorded_measures(rows: list[dict[str, Any]]) -> set[str]:
+    """The measures any experience's results hold in any of ``rows`` (a run's older rows may lack newer ones)."""
+    return {key for row in rows for cell in row.get("results", {}).values() for key in cell}
 
 
 def config_differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
