@@ -16,6 +16,13 @@ memory stays near its peak instead of falling between phases. The
 decides for itself. ``CONTRAIL_MALLOC=system`` (or glibc's own malloc
 settings: ``MALLOC_*_`` variables, ``glibc.malloc`` tunables) leaves
 ``malloc`` as it is.
+
+Kept memory serves the phase that freed it; a GRPO step alternates two
+phases that allocate differently (the rollout's KV caches in their own pool,
+`contrail.agent.buffer_pool`; the update's activations in the heap), and
+each would otherwise hold the other's freed memory through its own peak.
+`hand_back_freed_memory` returns the heap's free pages at such a change
+(the pool has its own `BufferPool.release`).
 """
 
 from __future__ import annotations
@@ -70,6 +77,19 @@ def keep_freed_memory() -> bool:
 
 def _user_tuned_malloc() -> bool:
     return any(name in os.environ for name in GLIBC_SETTINGS) or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
+
+
+def hand_back_freed_memory() -> bool:
+    """Return the heap's free pages to the kernel now (glibc's ``malloc_trim``); True if any went back.
+
+    For a change of phase, when what the last phase freed is memory the next
+    will not allocate from the heap: the pages then serve it instead of
+    sitting beside it. The blocks still in use stay where they are; the
+    freed ones fault in again when the heap reuses them. Nothing happens
+    (False) where the C library is not glibc.
+    """
+    libc = _glibc()
+    return bool(libc.malloc_trim(0)) if libc is not None else False
 
 
 def keeps_freed_memory() -> bool:

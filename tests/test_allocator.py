@@ -58,6 +58,41 @@ def test_the_opt_out_and_the_user_s_own_malloc_settings_leave_malloc_as_it_is(en
     assert not result["kept"] and result["faults"] > (64 << 20) // os.sysconf("SC_PAGE_SIZE") // 2
 
 
+# Keeping freed memory, frees a touched 64 MiB block, then reads the resident set before and after handing the
+# heap's free pages back (or not).
+HAND_BACK = """
+import ctypes, json, os, sys
+import contrail.allocator as allocator
+allocator.keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def resident():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+block = libc.malloc(64 << 20)
+libc.memset(block, 1, 64 << 20)
+libc.free(block)
+before = resident()
+handed = allocator.hand_back_freed_memory() if sys.argv[1] == "hand back" else False
+print(json.dumps({"handed": handed, "dropped": before - resident()}))
+"""
+
+
+@needs_glibc
+@pytest.mark.parametrize("mode", ["hand back", "keep"])
+def test_handing_back_returns_the_kept_heap_s_free_pages_to_the_kernel(mode):
+    clean = {k: v for k, v in os.environ.items() if k != allocator.OPT_OUT and k not in allocator.GLIBC_SETTINGS}
+    done = subprocess.run([sys.executable, "-c", HAND_BACK, mode], env=clean, capture_output=True, text=True,
+                          check=True)
+    result = json.loads(done.stdout)
+    if mode == "keep":
+        assert result["dropped"] < 8 << 20  # kept: the freed block's pages stay resident
+    else:
+        assert result["handed"] and result["dropped"] > 56 << 20
+
+
 def test_a_c_library_without_mallopt_is_left_alone(monkeypatch):
     monkeypatch.setattr(allocator, "_glibc", lambda: None)
     monkeypatch.delenv(allocator.OPT_OUT, raising=False)

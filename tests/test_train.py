@@ -121,6 +121,15 @@ def test_a_cpu_trainer_steps_with_the_fused_adamw_and_its_first_step_is_adam_s(t
     assert moved > 0.9 * sum(p.numel() for p in before.values())
 
 
+def test_ending_training_hands_the_heap_s_freed_pages_back_for_what_follows(tokenizer, monkeypatch):
+    calls = []
+    monkeypatch.setattr("contrail.train.trainer.hand_back_freed_memory", lambda: calls.append("trim") or True)
+    trainer = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, TrainConfig(lr=1e-3))
+    assert calls == []
+    trainer.end()
+    assert calls == ["trim"]
+
+
 def test_lora_trains_only_adapters(tokenizer):
     pytest.importorskip("peft")
     model = tiny_model(tokenizer)

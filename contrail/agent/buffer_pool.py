@@ -13,9 +13,11 @@ when the guest first touches it, about 8 s per GB in the kernel (README,
 
 `BufferPool` carves the buffers from one anonymous mapping that only cache
 buffers share, first fit, merging neighbours as they are freed, so a cache
-reuses its predecessors' pages. Nothing is handed back to the kernel: the
-pool's resident memory is its high-water mark, as the heap's is when malloc
-keeps freed memory, and it is used only then (`pool`). Its pages are 4 kB:
+reuses its predecessors' pages. Nothing is handed back to the kernel unless
+asked: the pool's resident memory is its high-water mark, as the heap's is
+when malloc keeps freed memory, and it is used only then (`pool`). A GRPO
+update, whose memory comes from the heap, cannot use the pool's pages, so
+the backend hands the free ones back before it (`release_free_pages`). Its pages are 4 kB:
 with 2 MB pages (``huge_pages``) a whole evaluation took 1.12-1.21x the time
 on a 2-core EPYC VM (``bench/rollout.py`` (k)).
 
@@ -27,6 +29,9 @@ from __future__ import annotations
 import bisect
 import collections
 import contextlib
+import ctypes
+import ctypes.util
+import functools
 import math
 import mmap
 import os
@@ -60,7 +65,8 @@ class BufferPool:
         # Ranges whose tensors died, merged into ``_free`` at the next request: a tensor can die (and its
         # finalizer run) in the middle of `empty`, which must not see ``_free`` change under it.
         self._returned: collections.deque[tuple[int, int]] = collections.deque()
-        self.high_water = 0  # bytes: the end of the furthest range ever handed out (the pool's resident size)
+        # bytes: the end of the furthest range ever handed out (the pool's resident size until a `release`)
+        self.high_water = 0
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype`` from the pool, or None if none fits."""
@@ -86,6 +92,36 @@ class BufferPool:
         self._merge_returned()
         return sum(size for _, size in self._free)
 
+    def release(self) -> int:
+        """Hand the pages of every free range back to the kernel (``MADV_DONTNEED``); returns their bytes.
+
+        The live buffers keep their pages and contents; a freed range's pages
+        fault in again, zeroed, when a later buffer uses them.
+        """
+        self._merge_returned()
+        released = 0
+        for offset, size in self._free:
+            end = min(offset + size, self.high_water)  # beyond the high-water mark nothing was ever touched
+            if end > offset:
+                self._memory.madvise(mmap.MADV_DONTNEED, offset, end - offset)
+                released += end - offset
+        return released
+
+    def resident_bytes(self) -> int | None:
+        """Bytes of the pool the kernel backs right now (``mincore``); None where that cannot be asked."""
+        if self.high_water == 0:
+            return 0
+        libc = _libc()
+        if libc is None:
+            return None
+        page = mmap.PAGESIZE
+        pages = -(-self.high_water // page)
+        flags = (ctypes.c_ubyte * pages)()
+        address = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(self._memory)))
+        if libc.mincore(address, ctypes.c_size_t(pages * page), flags) != 0:
+            return None
+        return sum(flag & 1 for flag in flags) * page
+
     def _take(self, size: int) -> int | None:
         for index, (offset, free) in enumerate(self._free):
             if free >= size:  # first fit: low offsets are reused first, so the touched part stays small
@@ -105,6 +141,17 @@ class BufferPool:
                 self._free[index][1] += self._free.pop(index + 1)[1]
             if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == offset:  # the previous one
                 self._free[index - 1][1] += self._free.pop(index)[1]
+
+
+@functools.cache
+def _libc():
+    """The C library when it has ``mincore`` (Linux, the BSDs, macOS), else None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mincore  # noqa: B018
+    except (OSError, AttributeError, TypeError):
+        return None
+    return libc
 
 
 def _advise_huge_pages(memory: mmap.mmap) -> bool:
@@ -132,6 +179,11 @@ def pool() -> BufferPool | None:
         except (OSError, ValueError, AttributeError):  # strict overcommit, or no sysconf
             _pool = None
     return _pool
+
+
+def release_free_pages() -> int:
+    """`BufferPool.release` on the process's pool if it has one (bytes handed back; 0 without a pool)."""
+    return _pool.release() if _pool is not None else 0
 
 
 @contextlib.contextmanager

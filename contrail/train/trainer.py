@@ -39,6 +39,7 @@ import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType
 
+from contrail.allocator import hand_back_freed_memory
 from contrail.precision import resolve_precision
 from contrail.seeds import check_seed, derive_seed
 from contrail.train import checkpointed_prefix
@@ -535,6 +536,7 @@ class MaskedTokenTrainer:
         self.model = self.accelerator.unwrap_model(self.model)
         self.accelerator.free_memory()  # the accelerator's own references to the wrapper
         gc.collect()  # free_memory collects before it drops those references: what they held in cycles goes now
+        hand_back_freed_memory()  # training's kept heap, for what follows (an evaluation's caches: their own pool)
         self.accelerator.end_training()
 
     # --- models and checkpoints -------------------------------------------------

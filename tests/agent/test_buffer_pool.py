@@ -74,6 +74,47 @@ def test_the_pool_asks_for_huge_pages_only_when_told(huge_pages):
     assert ("hg" in _vm_flags(first.data_ptr())) == huge_pages  # the kernel's mark of MADV_HUGEPAGE
 
 
+needs_mincore = pytest.mark.skipif(BufferPool(ALIGN).resident_bytes() is None, reason="no mincore here")
+
+
+@needs_mincore
+def test_release_hands_back_the_free_ranges_pages_and_keeps_the_live_buffers():
+    buffers = BufferPool(64 << 20)
+    live = buffers.empty((4 << 20,), torch.float32)  # 16 MiB each
+    live.fill_(1.0)
+    freed = buffers.empty((4 << 20,), torch.float32)
+    freed.fill_(2.0)
+    assert buffers.resident_bytes() == 32 << 20
+    del freed
+    gc.collect()
+    assert buffers.resident_bytes() == 32 << 20  # freed, but its pages still held
+    assert buffers.release() == 16 << 20
+    assert buffers.resident_bytes() == 16 << 20
+    assert bool((live == 1.0).all())
+    again = buffers.empty((4 << 20,), torch.float32)  # the freed range, its pages fresh from the kernel
+    assert float(again.abs().sum()) == 0.0
+
+
+@needs_mincore
+def test_before_an_update_the_backend_hands_its_cache_pages_back(tokenizer):
+    model = tiny_model(tokenizer, seed=3)
+    prompts = [tokenizer("say the word . " * (8 + i))["input_ids"] for i in range(6)]
+    with pooling(BufferPool(1 << 30)) as buffers:
+        backend = HFBackend(model, frozenset(), tokenizer.pad_token_id, seed=5)
+        backend.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0))
+        assert buffers.resident_bytes() > 0  # the kept cache, and the turn's freed ones
+        backend.prepare_update()
+        assert buffers.resident_bytes() == 0  # the kept cache dropped, every page back with the kernel
+
+
+def test_after_an_update_the_backend_hands_the_heap_s_freed_pages_back(tokenizer, monkeypatch):
+    calls = []
+    monkeypatch.setattr("contrail.agent.backend.hand_back_freed_memory", lambda: calls.append("trim") or True)
+    backend = HFBackend(tiny_model(tokenizer, seed=3), frozenset(), tokenizer.pad_token_id)
+    backend.sync_weights()
+    assert calls == ["trim"]
+
+
 def test_decode_attention_reads_a_pooled_cache_buffer_whole_in_place():
     from contrail.agent.attention import whole_buffers
 
