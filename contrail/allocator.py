@@ -17,12 +17,12 @@ decides for itself. ``CONTRAIL_MALLOC=system`` (or glibc's own malloc
 settings: ``MALLOC_*_`` variables, ``glibc.malloc`` tunables) leaves
 ``malloc`` as it is.
 
-Kept memory serves the phase that freed it. Sampling's KV caches have a pool
-of their own (`contrail.agent.buffer_pool`), whose free pages the HF backend
-hands back before each update (`BufferPool.release`); the heap's are handed
-back where training ends (`hand_back_freed_memory`), for the evaluation
-that follows. Between the steps of one stage the heap keeps them: handing
-them back after every update too made a warm quickstart 1.07x as long.
+Kept memory serves the phase that freed it; a GRPO step alternates two
+phases that allocate differently (the rollout's KV caches in their own pool,
+`contrail.agent.buffer_pool`; the update's activations in the heap), and
+each would otherwise hold the other's freed memory through its own peak.
+`hand_back_freed_memory` returns the heap's free pages at such a change
+(the pool has its own `BufferPool.release`).
 """
 
 from __future__ import annotations

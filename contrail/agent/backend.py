@@ -22,6 +22,7 @@ import torch
 from contrail.agent.attention import decoding_attention
 from contrail.agent.buffer_pool import release_free_pages, select_rows
 from contrail.agent.kv_cache import GrowingLayer, growing_cache
+from contrail.allocator import hand_back_freed_memory
 from contrail.models import forward_accepts
 
 
@@ -326,15 +327,19 @@ class HFBackend:
 
     needs_weight_sync = False  # it samples from the training model itself
 
+    # A GRPO step alternates two phases that allocate differently: sampling's KV caches come from the buffer
+    # pool (`contrail.agent.buffer_pool`), the update's activations from malloc's heap. Where freed memory is
+    # kept (`contrail.allocator`), each would hold the other's freed pages through its own peak: bench (b)'s
+    # step on the quickstart's 6 x 8 peaked at 5.1 GB, 3.4 GB with the pages handed back (README).
+
     def sync_weights(self, model=None) -> None:
-        """Nothing to copy (the backend runs the model itself); the kept KV cache is stale, so drop it."""
+        """Nothing to copy (the backend runs the model itself); the kept KV cache is stale, so drop it, and hand
+        the heap's freed pages (the update's activations) back for the next caches."""
         self.reset_cache()
+        hand_back_freed_memory()
 
     def prepare_update(self) -> None:
-        """Drop the KV cache and hand its pool's free pages back: the update allocates from malloc's heap, which
-        cannot use them, and would otherwise peak beside them (bench (b)'s step on the quickstart's 6 x 8:
-        5.1 GB, 3.4 GB with them handed back). The heap keeps what the update frees (handing that back too
-        made a warm quickstart 1.07x as long, README), so the next rollout's caches fault in their pages again."""
+        """Drop the KV cache and hand its pool's pages back: the update allocates from the heap, not the pool."""
         self.reset_cache()
         release_free_pages()
 

@@ -107,6 +107,14 @@ def test_before_an_update_the_backend_hands_its_cache_pages_back(tokenizer):
         assert buffers.resident_bytes() == 0  # the kept cache dropped, every page back with the kernel
 
 
+def test_after_an_update_the_backend_hands_the_heap_s_freed_pages_back(tokenizer, monkeypatch):
+    calls = []
+    monkeypatch.setattr("contrail.agent.backend.hand_back_freed_memory", lambda: calls.append("trim") or True)
+    backend = HFBackend(tiny_model(tokenizer, seed=3), frozenset(), tokenizer.pad_token_id)
+    backend.sync_weights()
+    assert calls == ["trim"]
+
+
 def test_decode_attention_reads_a_pooled_cache_buffer_whole_in_place():
     from contrail.agent.attention import whole_buffers
 
