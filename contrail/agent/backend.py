@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from contrail.agent.attention import decoding_attention
-from contrail.agent.buffer_pool import release_free_pages, select_rows
+from contrail.agent.buffer_pool import refill_released_pages, release_free_pages, select_rows
 from contrail.agent.kv_cache import GrowingLayer, growing_cache
 from contrail.allocator import hand_back_freed_memory
 from contrail.models import forward_accepts
@@ -333,10 +333,11 @@ class HFBackend:
     # step on the quickstart's 6 x 8 peaked at 5.1 GB, 3.4 GB with the pages handed back (README).
 
     def sync_weights(self, model=None) -> None:
-        """Nothing to copy (the backend runs the model itself); the kept KV cache is stale, so drop it, and hand
-        the heap's freed pages (the update's activations) back for the next caches."""
+        """Nothing to copy (the backend runs the model itself); the kept KV cache is stale, so drop it, hand
+        the heap's freed pages (the update's activations) back, and back the pool's again with them at once."""
         self.reset_cache()
         hand_back_freed_memory()
+        refill_released_pages()
 
     def prepare_update(self) -> None:
         """Drop the KV cache and hand its pool's pages back: the update allocates from the heap, not the pool."""

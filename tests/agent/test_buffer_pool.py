@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from contrail.agent import HFBackend, SamplingParams
-from contrail.agent.buffer_pool import ALIGN, BufferPool, empty, pool, pooling
+from contrail.agent.buffer_pool import ALIGN, MADV_POPULATE_WRITE, BufferPool, empty, pool, pooling
 from contrail.testing import tiny_model
 
 PAGE_OF_BF16 = (ALIGN // 2,)  # one page of bf16 elements
@@ -95,6 +95,64 @@ def test_release_hands_back_the_free_ranges_pages_and_keeps_the_live_buffers():
     assert float(again.abs().sum()) == 0.0
 
 
+def _kernel_populates() -> bool:
+    """Whether this kernel backs a range on ``MADV_POPULATE_WRITE`` (Linux >= 5.14), asked without the pool."""
+    if MADV_POPULATE_WRITE is None:
+        return False
+    memory = mmap.mmap(-1, ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        memory.madvise(MADV_POPULATE_WRITE, 0, ALIGN)
+    except OSError:
+        return False
+    return True
+
+
+needs_populate = pytest.mark.skipif(BufferPool(ALIGN).resident_bytes() is None or not _kernel_populates(),
+                                    reason="no mincore or MADV_POPULATE_WRITE here")
+
+
+@needs_populate
+def test_refill_backs_what_the_released_phase_reached_and_no_further():
+    buffers = BufferPool(64 << 20)
+    live = buffers.empty((4 << 20,), torch.float32)  # 16 MiB each
+    live.fill_(1.0)
+    freed = buffers.empty((4 << 20,), torch.float32)
+    freed.fill_(2.0)
+    del freed
+    gc.collect()
+    buffers.release()
+    assert buffers.resident_bytes() == 16 << 20
+    assert buffers.refill() == 16 << 20  # the freed buffer's range: the phase reached 32 MiB
+    assert buffers.resident_bytes() == 32 << 20  # and not the untouched 32 MiB beyond it
+    assert buffers.refill() == 0  # once per release
+    assert bool((live == 1.0).all())
+    again = buffers.empty((4 << 20,), torch.float32)  # the refilled range: zeros, not the freed buffer's values
+    assert float(again.abs().sum()) == 0.0
+
+
+@needs_populate
+def test_refill_targets_what_the_last_phase_used_not_what_was_refilled_for_it():
+    buffers = BufferPool(64 << 20)
+
+    def phase(floats: int) -> None:  # a phase that needs one buffer of ``floats`` float32 values
+        buffer = buffers.empty((floats,), torch.float32)
+        del buffer
+        gc.collect()
+
+    phase(8 << 20)  # 32 MiB: an evaluation, say
+    buffers.release()
+    assert buffers.refill() == 32 << 20
+    phase(2 << 20)  # 8 MiB: the next phase needs less
+    buffers.release()
+    assert buffers.resident_bytes() == 0  # the 24 MiB refilled and never used go back too
+    assert buffers.refill() == 8 << 20
+    phase(4 << 20)
+    buffers.release()
+    phase(2 << 20)
+    buffers.release()
+    assert buffers.refill() == 16 << 20  # two releases without a refill between: the larger phase
+
+
 @needs_mincore
 def test_before_an_update_the_backend_hands_its_cache_pages_back(tokenizer):
     model = tiny_model(tokenizer, seed=3)
@@ -107,12 +165,14 @@ def test_before_an_update_the_backend_hands_its_cache_pages_back(tokenizer):
         assert buffers.resident_bytes() == 0  # the kept cache dropped, every page back with the kernel
 
 
-def test_after_an_update_the_backend_hands_the_heap_s_freed_pages_back(tokenizer, monkeypatch):
+def test_after_an_update_the_backend_hands_the_heap_s_freed_pages_back_then_refills_the_pool(tokenizer,
+                                                                                         monkeypatch):
     calls = []
     monkeypatch.setattr("contrail.agent.backend.hand_back_freed_memory", lambda: calls.append("trim") or True)
+    monkeypatch.setattr("contrail.agent.backend.refill_released_pages", lambda: calls.append("refill") or 0)
     backend = HFBackend(tiny_model(tokenizer, seed=3), frozenset(), tokenizer.pad_token_id)
     backend.sync_weights()
-    assert calls == ["trim"]
+    assert calls == ["trim", "refill"]  # the heap's pages first, so the pool's come from them
 
 
 def test_decode_attention_reads_a_pooled_cache_buffer_whole_in_place():
