@@ -77,16 +77,22 @@ def test_the_pool_asks_for_huge_pages_only_when_told(huge_pages):
 needs_mincore = pytest.mark.skipif(BufferPool(ALIGN).resident_bytes() is None, reason="no mincore here")
 
 
-@needs_mincore
-def test_release_hands_back_the_free_ranges_pages_and_keeps_the_live_buffers():
+def _a_live_and_a_freed_buffer() -> tuple[BufferPool, torch.Tensor]:
+    """A pool of 64 MiB whose first 16 MiB buffer lives (all ones) and whose second, the same size, was freed."""
     buffers = BufferPool(64 << 20)
-    live = buffers.empty((4 << 20,), torch.float32)  # 16 MiB each
+    live = buffers.empty((4 << 20,), torch.float32)
     live.fill_(1.0)
     freed = buffers.empty((4 << 20,), torch.float32)
     freed.fill_(2.0)
     assert buffers.resident_bytes() == 32 << 20
     del freed
     gc.collect()
+    return buffers, live
+
+
+@needs_mincore
+def test_release_hands_back_the_free_ranges_pages_and_keeps_the_live_buffers():
+    buffers, live = _a_live_and_a_freed_buffer()
     assert buffers.resident_bytes() == 32 << 20  # freed, but its pages still held
     assert buffers.release() == 16 << 20
     assert buffers.resident_bytes() == 16 << 20
@@ -113,13 +119,7 @@ needs_populate = pytest.mark.skipif(BufferPool(ALIGN).resident_bytes() is None o
 
 @needs_populate
 def test_refill_backs_what_the_released_phase_reached_and_no_further():
-    buffers = BufferPool(64 << 20)
-    live = buffers.empty((4 << 20,), torch.float32)  # 16 MiB each
-    live.fill_(1.0)
-    freed = buffers.empty((4 << 20,), torch.float32)
-    freed.fill_(2.0)
-    del freed
-    gc.collect()
+    buffers, live = _a_live_and_a_freed_buffer()
     buffers.release()
     assert buffers.resident_bytes() == 16 << 20
     assert buffers.refill() == 16 << 20  # the freed buffer's range: the phase reached 32 MiB
