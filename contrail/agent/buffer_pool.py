@@ -128,8 +128,9 @@ class BufferPool:
         as their first writes reach each 4 kB page, the same pages cost a
         quickstart step's rollout 4-5 s of system time and 2-4 s of wall time
         on a 2-core EPYC VM; populated at once (``MADV_POPULATE_WRITE``),
-        about 0.3-0.6 s per GB. Populated pages are resident: the phase's
-        peak is unchanged, since it would have touched them anyway.
+        about 0.3-0.6 s per GB. They are resident at once, so a phase that
+        needs less than the last holds the difference until the next
+        `release` (a training rollout after an evaluation, once a stage).
         """
         target, self._refill_to = self._refill_to, 0
         if target == 0 or MADV_POPULATE_WRITE is None:
