@@ -47,7 +47,7 @@ from contrail.allocator import keeps_freed_memory
 
 ALIGN = 4096  # bytes: every buffer starts on a page
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value; Python < 3.12 does not name it
-# Linux >= 5.14 backs a whole range in one call; Python < 3.12 does not name it, and elsewhere 23 means another advice.
+# Linux >= 5.14 backs a whole range in one call; older Pythons do not name it, and elsewhere 23 means another advice.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23 if sys.platform.startswith("linux") else None)
 
 
@@ -143,7 +143,7 @@ class BufferPool:
                 break
             try:
                 self._memory.madvise(MADV_POPULATE_WRITE, offset, end - offset)
-            except OSError:  # EINVAL before Linux 5.14
+            except OSError:  # EINVAL before Linux 5.14, ENOMEM when memory runs short: fault in as used
                 break
             filled += end - offset
         return filled
@@ -175,8 +175,9 @@ class BufferPool:
 
     def _live_end(self) -> int:
         """The end of the furthest live buffer (0 when none is)."""
-        last_offset, last_size = self._free[-1] if self._free else (self.capacity, 0)
-        return last_offset if last_offset + last_size == self.capacity else self.capacity
+        if self._free and sum(self._free[-1]) == self.capacity:  # the last free range runs to the end
+            return self._free[-1][0]
+        return self.capacity
 
     def _merge_returned(self) -> None:
         while self._returned:

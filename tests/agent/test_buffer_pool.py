@@ -74,7 +74,8 @@ def test_the_pool_asks_for_huge_pages_only_when_told(huge_pages):
     assert ("hg" in _vm_flags(first.data_ptr())) == huge_pages  # the kernel's mark of MADV_HUGEPAGE
 
 
-needs_mincore = pytest.mark.skipif(BufferPool(ALIGN).resident_bytes() is None, reason="no mincore here")
+HAS_MINCORE = BufferPool(ALIGN).resident_bytes() is not None
+needs_mincore = pytest.mark.skipif(not HAS_MINCORE, reason="no mincore here")
 
 
 def _a_live_and_a_freed_buffer() -> tuple[BufferPool, torch.Tensor]:
@@ -105,15 +106,15 @@ def _kernel_populates() -> bool:
     """Whether this kernel backs a range on ``MADV_POPULATE_WRITE`` (Linux >= 5.14), asked without the pool."""
     if MADV_POPULATE_WRITE is None:
         return False
-    memory = mmap.mmap(-1, ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        memory.madvise(MADV_POPULATE_WRITE, 0, ALIGN)
-    except OSError:
-        return False
+    with mmap.mmap(-1, ALIGN, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as memory:
+        try:
+            memory.madvise(MADV_POPULATE_WRITE, 0, ALIGN)
+        except OSError:
+            return False
     return True
 
 
-needs_populate = pytest.mark.skipif(BufferPool(ALIGN).resident_bytes() is None or not _kernel_populates(),
+needs_populate = pytest.mark.skipif(not (HAS_MINCORE and _kernel_populates()),
                                     reason="no mincore or MADV_POPULATE_WRITE here")
 
 
