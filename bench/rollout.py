@@ -43,6 +43,11 @@
 (k) ``--pool-huge-pages``: the same with two pools, one with 4 kB pages
     (contrail's) and one whose memory asks for 2 MB pages
     (``BufferPool(huge_pages=True)``), alternating, 4 kB pages first.
+(l) ``--packed-weights``: an experiment's whole evaluation with sampling's linear layers on weights packed
+    once per call for oneDNN (`contrail.agent.packed_linear`, the default) against autocast's plain bf16
+    weights, alternating on one loaded model, and how many episodes differ (none expected: the same
+    kernel on the same values); then one linear product per weight shape of the model, both ways, at
+    8, 64 and 2,000 rows (a small decode batch, a full one, a prefill).
 
     python bench/rollout.py --quick                       # embedded SmolLM2-135M, a few minutes on 2 cores
     python bench/rollout.py --model tiny                  # random 2-layer model: overheads only
@@ -59,6 +64,8 @@
     python bench/rollout.py --evaluation experiments/quickstart.yaml --experience-batches   # (i) apart vs mixed
     python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
         --buffer-pool                                     # (j) KV buffers from the pool vs the heap
+    python bench/rollout.py --evaluation experiments/quickstart.yaml --model runs/quickstart/stage-00 \
+        --packed-weights                                  # (l) linears on packed weights vs autocast's
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ import contextlib
 import os
 import time
 
+import torch
 from _common import console, fmt, load_policy, median, prepare_process, print_machine, table, timed, write_json
 
 import contrail.envs as envs
@@ -115,6 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --evaluation, run (j) instead of (e): KV buffers from the pool vs the heap")
     parser.add_argument("--pool-huge-pages", action="store_true",
                         help="with --evaluation, run (k) instead of (e): the pool's memory in 2 MB vs 4 kB pages")
+    parser.add_argument("--packed-weights", action="store_true",
+                        help="with --evaluation, run (l) instead of (e): linears on packed weights vs autocast's")
     parser.add_argument("--prefill-attention", action="store_true",
                         help="run (f) only: a prefill's attention, row spans against SDPA's kernel")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -554,6 +564,58 @@ def _alternating_buffers(policy, args, out, mark: str, sources: dict, note) -> d
             "ratio": ratio, "avg_at_k": scores, "episodes_that_differ": differ}
 
 
+# --- (l) linear layers on packed weights ------------------------------------------------------------
+
+
+def packed_weights(policy, args, out) -> dict:
+    """An experiment's whole evaluation with linears on packed weights and on autocast's, alternating; then
+    one product per weight shape both ways."""
+    variants = {"autocast weights": ({"pack_weights": False}, {}), "packed": ({"pack_weights": True}, {})}
+    seconds, scores, episodes, batch, bf16, played, _ = alternate_evaluations(policy, args, variants)
+    differ = _episodes_that_differ(played, "autocast weights", "packed")
+    ratio = median(seconds["packed"]) / median(seconds["autocast weights"])
+    out.print(table(f"(l) {args.evaluation}: its evaluation, {episodes} episodes in batches of {batch}, "
+                    f"{'bf16' if bf16 else 'fp32'}, {args.repeats} alternating rounds; packed / autocast: "
+                    f"{fmt(ratio, 2)}x (medians); episodes that differ: {_differ_text(differ, played['packed'])}",
+                    ["linear weights", "seconds", "avg@k"], _evaluation_rows(seconds, scores)))
+    products = _linear_products(policy.model, out)
+    return {"episodes": episodes, "batch_episodes": batch, "seconds": seconds, "ratio": ratio, "avg_at_k": scores,
+            "episodes_that_differ": differ, "products": products}
+
+
+def _linear_products(model, out, rows_list=(8, 64, 2000), repeats: int = 20) -> list[dict]:
+    """Milliseconds of one bf16 product per distinct linear weight shape of ``model``: autocast's and packed."""
+    from contrail.agent.packed_linear import packed_linears
+
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if type(m) is torch.nn.Linear})
+    results = []
+    for rows in rows_list:
+        for out_features, in_features in shapes:
+            layer = torch.nn.Linear(in_features, out_features, bias=False)
+            hidden = torch.randn(rows, in_features)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                plain = _milliseconds(lambda layer=layer, hidden=hidden: layer(hidden), repeats)
+                with packed_linears(layer):
+                    packed = _milliseconds(lambda layer=layer, hidden=hidden: layer(hidden), repeats)
+            results.append({"rows": rows, "shape": [out_features, in_features], "autocast_ms": plain,
+                            "packed_ms": packed})
+    out.print(table("(l) one bf16 linear product, autocast's weight against the packed one (medians)",
+                    ["rows", "weight", "autocast ms", "packed ms", "packed / autocast"],
+                    [[str(r["rows"]), "x".join(map(str, r["shape"])), fmt(r["autocast_ms"], 3),
+                      fmt(r["packed_ms"], 3), fmt(r["packed_ms"] / r["autocast_ms"], 2)] for r in results]))
+    return results
+
+
+def _milliseconds(call, repeats: int) -> float:
+    call()  # the first call builds oneDNN's primitive
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1000)
+    return median(times)
+
+
 def _physical_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -676,6 +738,7 @@ def main(argv=None) -> None:
         (args.vllm, "vllm_vs_hf", vllm_vs_hf),
         (args.evaluation and args.buckets, "prefill_buckets", prefill_buckets),
         (args.evaluation and args.buffer_pool, "buffer_pool", buffer_pool),
+        (args.evaluation and args.packed_weights, "packed_weights", packed_weights),
         (args.evaluation and args.pool_huge_pages, "pool_huge_pages", pool_huge_pages),
         (args.evaluation and args.experience_batches, "experience_batches", experience_batches),
         (args.evaluation and args.evaluation_order, "evaluation_order", evaluation_order),

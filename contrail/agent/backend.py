@@ -22,6 +22,8 @@ import torch
 from contrail.agent.attention import decoding_attention
 from contrail.agent.buffer_pool import refill_released_pages, release_free_pages, select_rows
 from contrail.agent.kv_cache import GrowingLayer, growing_cache
+from contrail.agent.packed_linear import packed_linears
+from contrail.agent.packed_linear import supported as packing_supported
 from contrail.allocator import hand_back_freed_memory
 from contrail.models import forward_accepts
 
@@ -285,7 +287,7 @@ class HFBackend:
     def __init__(self, model, stop_ids: set[int] | frozenset[int], pad_id: int, seed: int = 0,
                  max_batch_size: int = 64, reuse_cache: bool = True, autocast_bf16: bool = False,
                  share_prefix: bool = True, decode_attention: bool = True, park_stopped: bool = True,
-                 max_buckets: int = MAX_BUCKETS):
+                 max_buckets: int = MAX_BUCKETS, pack_weights: bool = True):
         if max_buckets < 1:
             raise ValueError(f"max_buckets must be at least 1, got {max_buckets}")
         self.model = model
@@ -293,6 +295,7 @@ class HFBackend:
         self.park_stopped = park_stopped  # stopped rows leave the decode batch (see `_decode`)
         self.share_prefix = share_prefix  # prefill shared prompt prefixes once (see `_prefill`)
         self.decode_attention = decode_attention  # CPU decode steps attend directly (`contrail.agent.attention`)
+        self.pack_weights = pack_weights  # CPU bf16 linears on weights packed per call (`packed_linear`)
         self.stop_ids = frozenset(stop_ids)
         self.pad_id = pad_id
         self.max_batch_size = max_batch_size
@@ -372,7 +375,9 @@ class HFBackend:
         autocast = torch.autocast(self._device().type, dtype=torch.bfloat16, enabled=self.autocast_bf16)
         try:
             decoding = decoding_attention(self.model) if self.decode_attention else contextlib.nullcontext()
-            with autocast, cast_once(self.model, enabled=self.autocast_bf16), decoding:
+            packing = packed_linears(self.model, enabled=self.pack_weights
+                                     and packing_supported(self.model, self.autocast_bf16))
+            with autocast, cast_once(self.model, enabled=self.autocast_bf16), decoding, packing:
                 kept, self._session = self._session, None
                 rows = kept.match(prompts) if (self.reuse_cache and kept) else None
                 if rows is None:
