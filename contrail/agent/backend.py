@@ -279,6 +279,8 @@ class HFBackend:
     all share (``share_prefix``: a group's identical prompts, an
     environment's instructions); a turn's new parts of very different lengths
     are prefilled in up to ``max_buckets`` buckets of similar lengths.
+    On a CPU in bf16 its linear layers multiply with weights packed for
+    oneDNN once per call (``pack_weights``, `contrail.agent.packed_linear`).
     Sampling uses its own seeded ``torch.Generator``: the same seed and
     prompts give the same samples. Given per-prompt ``seeds``, each row draws from its own stream
     instead (`row_uniforms`), and its continuation no longer depends on the rest of the batch.

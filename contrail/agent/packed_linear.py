@@ -42,14 +42,15 @@ def packed_linears(model, enabled: bool = True) -> Iterator[None]:
     Meant for bf16 autocast on a CPU (`supported`): it computes what autocast
     would, bf16 inputs and weights with a bf16 output. Layers are switched by
     an instance ``forward``, removed on exit; subclasses of ``nn.Linear``
-    (quantized or adapter layers) keep their own.
+    (quantized or adapter layers) keep their own, as do layers whose weight
+    is a tensor subclass (an FSDP shard outside its unsharded sampling).
     """
     if not enabled:
         yield
         return
     if torch.is_grad_enabled():
         raise RuntimeError("packed_linears is for sampling: its packed weights record no gradients")
-    layers = [module for module in model.modules() if type(module) is torch.nn.Linear]
+    layers = [module for module in model.modules() if type(module) is torch.nn.Linear and _plain(module.weight)]
     for layer in layers:
         layer.forward = _packed_forward(layer)
     try:
@@ -57,6 +58,10 @@ def packed_linears(model, enabled: bool = True) -> Iterator[None]:
     finally:
         for layer in layers:
             del layer.forward  # back to the class's forward
+
+
+def _plain(weight: torch.Tensor) -> bool:
+    return type(weight.detach()) is torch.Tensor and weight.dim() == 2
 
 
 def _packed_forward(layer: torch.nn.Linear):

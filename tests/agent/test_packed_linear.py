@@ -39,13 +39,21 @@ def test_layers_get_their_class_forward_back_even_after_an_error():
     assert all("forward" not in vars(layer) for layer in model)
 
 
-def test_subclasses_keep_their_own_forward_and_gradients_are_refused():
+class Shard(torch.Tensor):
+    """A tensor subclass, as FSDP's DTensor shards are."""
+
+
+@needs_onednn_bf16
+def test_subclasses_and_subclassed_weights_keep_their_own_forward_and_gradients_are_refused():
     class Adapter(torch.nn.Linear):
         pass
 
-    model = torch.nn.Sequential(Adapter(8, 8))
+    sharded = torch.nn.Linear(8, 8)
+    sharded.weight = torch.nn.Parameter(sharded.weight.detach().as_subclass(Shard))
+    model = torch.nn.Sequential(Adapter(8, 8), sharded, torch.nn.Linear(8, 8))
     with torch.no_grad(), packed_linears(model):
-        assert "forward" not in vars(model[0])
+        assert "forward" not in vars(model[0]) and "forward" not in vars(model[1])
+        assert "forward" in vars(model[2])
     with pytest.raises(RuntimeError, match="sampling"), packed_linears(model):
         pass
 
