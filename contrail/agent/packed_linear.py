@@ -50,13 +50,15 @@ def packed_linears(model, enabled: bool = True) -> Iterator[None]:
         return
     if torch.is_grad_enabled():
         raise RuntimeError("packed_linears is for sampling: its packed weights record no gradients")
-    layers = [module for module in model.modules() if type(module) is torch.nn.Linear and _plain(module.weight)]
-    for layer in layers:
-        layer.forward = _packed_forward(layer)
+    switched = []
     try:
+        for layer in model.modules():
+            if type(layer) is torch.nn.Linear and _plain(layer.weight):
+                layer.forward = _packed_forward(layer)
+                switched.append(layer)
         yield
     finally:
-        for layer in layers:
+        for layer in switched:
             del layer.forward  # back to the class's forward
 
 

@@ -39,6 +39,19 @@ def test_layers_get_their_class_forward_back_even_after_an_error():
     assert all("forward" not in vars(layer) for layer in model)
 
 
+@needs_onednn_bf16
+def test_a_layer_that_fails_to_pack_leaves_none_switched(monkeypatch):
+    import contrail.agent.packed_linear as packed_linear
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    pack = packed_linear._packed_forward
+    monkeypatch.setattr(packed_linear, "_packed_forward",
+                        lambda layer: pack(layer) if layer is model[0] else (_ for _ in ()).throw(MemoryError()))
+    with torch.no_grad(), pytest.raises(MemoryError), packed_linears(model):
+        pass
+    assert all("forward" not in vars(layer) for layer in model)
+
+
 class Shard(torch.Tensor):
     """A tensor subclass, as FSDP's DTensor shards are."""
 
