@@ -76,7 +76,7 @@ import os
 import time
 
 import torch
-from _common import console, fmt, load_policy, median, prepare_process, print_machine, table, timed, write_json
+from _common import console, fmt, load_policy, median, prepare_process, print_machine, repeat, table, timed, write_json
 
 import contrail.envs as envs
 from contrail.agent.backend import HFBackend, SamplingParams
@@ -594,9 +594,9 @@ def _linear_products(model, out, rows_list=(8, 64, 2000), repeats: int = 20) -> 
             layer = torch.nn.Linear(in_features, out_features, bias=False)
             hidden = torch.randn(rows, in_features)
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                plain = _milliseconds(lambda layer=layer, hidden=hidden: layer(hidden), repeats)
-                with packed_linears(layer):
-                    packed = _milliseconds(lambda layer=layer, hidden=hidden: layer(hidden), repeats)
+                plain = median(repeat(lambda layer=layer, hidden=hidden: layer(hidden), repeats)) * 1000
+                with packed_linears(layer):  # the first call (repeat's warm-up) builds oneDNN's primitive
+                    packed = median(repeat(lambda layer=layer, hidden=hidden: layer(hidden), repeats)) * 1000
             results.append({"rows": rows, "shape": [out_features, in_features], "autocast_ms": plain,
                             "packed_ms": packed})
     out.print(table("(l) one bf16 linear product, autocast's weight against the packed one (medians)",
@@ -604,16 +604,6 @@ def _linear_products(model, out, rows_list=(8, 64, 2000), repeats: int = 20) -> 
                     [[str(r["rows"]), "x".join(map(str, r["shape"])), fmt(r["autocast_ms"], 3),
                       fmt(r["packed_ms"], 3), fmt(r["packed_ms"] / r["autocast_ms"], 2)] for r in results]))
     return results
-
-
-def _milliseconds(call, repeats: int) -> float:
-    call()  # the first call builds oneDNN's primitive
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - start) * 1000)
-    return median(times)
 
 
 def _physical_memory() -> int:
