@@ -977,7 +977,7 @@ def _describe_model(exp: Experiment) -> str:
     if m.warmstart is not None:
         w = m.warmstart
         text += (f"; warm-start on {', '.join(w.envs)}: {w.episodes} expert episodes in all (split evenly), "
-                 f"{w.epochs} epochs, lr {w.lr:g}")
+                 f"{w.epochs} epoch{'' if w.epochs == 1 else 's'}, lr {w.lr:g}")
     return text
 
 

@@ -335,7 +335,8 @@ def _markdown(analysis: Analysis) -> str:
     if warm:
         lines.append(
             f"- warm-start: behaviour cloning on expert episodes of {', '.join(warm.get('envs', []))} "
-            f"({warm.get('episodes', '?')} episodes in all, {warm.get('epochs', '?')} epochs, "
+            f"({warm.get('episodes', '?')} episodes in all, {warm.get('epochs', '?')} "
+            f"epoch{'' if warm.get('epochs') == 1 else 's'}, "
             f"lr {warm.get('lr', '?')}) "
             "before stage 1; row 0 is the warm-started model"
         )

@@ -497,3 +497,10 @@ def test_sections_validate_when_built_in_python():
         StrategySpec(options=[1])
     with pytest.raises(ValueError, match="lr must be a finite number > 0, got nan"):
         dataclasses.replace(WarmStart(envs=["a"]), lr=math.nan)
+
+
+@pytest.mark.parametrize(("epochs", "said"), [(1, "1 epoch, lr"), (2, "2 epochs, lr")])
+def test_describe_plan_counts_the_warm_starts_epochs(tmp_path, epochs, said):
+    exp = load_experiment(write(tmp_path, BASIC),
+                          [f"model.warmstart={{envs: [tiny-a:easy], episodes: 4, epochs: {epochs}}}"])
+    assert said in describe_plan(exp)

@@ -23,10 +23,10 @@ def ev(avg):
             "turns": 3.0, "generated_tokens": 20.0, "invalid_rate": 0.25, "truncated_rate": 0.0, "errors": 0}
 
 
-def make_run(path, matrix=R, seed=0, label=None, stages=2, finished=True, warm=True, with_plan_meta=True):
+def make_run(path, matrix=R, seed=0, label=None, stages=2, finished=True, warm=True, with_plan_meta=True, epochs=2):
     run = RunDir(path)
     run.start({"name": "ignored: the report reads plan.json, not config.yaml"})
-    warmstart = {"envs": ["a:easy"], "episodes": 60, "epochs": 2, "lr": 1e-4} if warm else None
+    warmstart = {"envs": ["a:easy"], "episodes": 60, "epochs": epochs, "lr": 1e-4} if warm else None
     plan = {"test": TEST, "trained_at": TRAINED_AT, "start_model": "smollm2-135m", "warmstart": warmstart,
             "stages": [{"index": i, "name": TEST[i - 1], "new": [TEST[i - 1]], "steps": 3,
                         "weights": {TEST[i - 1]: 1.0}, "seed": 11} for i in (1, 2)]}
@@ -41,6 +41,11 @@ def make_run(path, matrix=R, seed=0, label=None, stages=2, finished=True, warm=T
     if finished:
         run.mark_finished()
     return path
+
+
+def test_a_one_epoch_warm_start_reads_in_the_singular(tmp_path):
+    md = write_report(make_run(tmp_path / "run", epochs=1))[0].read_text()
+    assert "(60 episodes in all, 1 epoch, lr" in md
 
 
 def test_full_report_without_trajectories(tmp_path):
