@@ -163,3 +163,54 @@ def test_short_fp32_or_amx_prefills_stay_on_sdpa_kernel(monkeypatch, queries, dt
     monkeypatch.setattr(attention, "_row_span_attention", lambda *a, **k: pytest.fail("went row by row"))
     mine, _ = decode_attention(module, query, key, value, mask, scaling=0.3)
     assert mine.shape == (3, queries, 6, 64)
+
+
+def _prefill_mask(batch: int = 4, history: int = 50, new: int = 12, seed: int = 0) -> torch.Tensor:
+    """A turn's prefill mask ``(B, 1, new, history + new)`` as transformers builds it: each row's history
+    left-padded and holed (a stopped row's slots), its new tokens left-padded within the bucket and causal."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.ones(batch, history + new, dtype=torch.bool)
+    for row in range(batch):
+        keys[row, :int(torch.randint(0, 20, (1,), generator=g))] = False  # left padding
+        keys[row, torch.randint(20, history, (3,), generator=g)] = False  # holes
+        keys[row, history:history + row] = False  # the bucket's padding before this row's new tokens
+    causal = torch.ones(new, history + new, dtype=torch.bool).tril(history)
+    return (causal[None] & keys[:, None, :])[:, None]
+
+
+def test_row_spans_fill_exactly_what_the_mask_hides():
+    """Holes and the causal block filled apart give the bits of masking each row's whole span."""
+    from contrail.agent.attention import RowSpans
+
+    mask = _prefill_mask()
+    spans = RowSpans(mask)
+    for row, (begin, end) in enumerate(zip(spans.begin, spans.end)):
+        assert mask[row, 0, :, :begin].sum() == 0 and mask[row, 0, :, end:].sum() == 0
+        scores = torch.randn(2, 3, mask.shape[2], end - begin).bfloat16()
+        whole = scores.clone().masked_fill_(~mask[row, 0, :, begin:end], -1e4)
+        spans.fill(scores, row, -1e4)
+        assert torch.equal(scores, whole), row
+        assert spans.holes[row] is not None  # each row has holes, and the new block is causal
+        assert spans.mixed[row][1] - spans.mixed[row][0] <= mask.shape[2]
+
+
+def test_a_forwards_spans_are_worked_out_once_for_all_its_layers(monkeypatch):
+    """transformers hands each layer the same mask: the spans come from it once per prefill forward."""
+    import contrail.agent.attention as attention
+
+    monkeypatch.setattr(attention, "cpu_has_amx", lambda: False)
+    made = []
+    real = attention.RowSpans
+    monkeypatch.setattr(attention, "RowSpans", lambda mask: made.append(1) or real(mask))
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer, layers=3).eval()
+    ids = torch.randint(5, 40, (2, MIN_SPAN_QUERIES + 4))
+    padding = torch.ones_like(ids)
+    padding[1, :5] = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), decoding_attention(model):
+        from contrail.agent.kv_cache import growing_cache
+
+        model(input_ids=ids, attention_mask=padding, past_key_values=growing_cache(), use_cache=True)
+        assert made == [1]
+        model(input_ids=ids, attention_mask=padding, past_key_values=growing_cache(), use_cache=True)
+    assert made == [1, 1]
