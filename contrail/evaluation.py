@@ -27,7 +27,15 @@ import torch
 
 from contrail.agent.backend import Backend
 from contrail.agent.chat import ChatFormat
-from contrail.agent.rollout import Episode, RolloutConfig, Trajectory, close_unfinished, play, start_episodes
+from contrail.agent.rollout import (
+    Episode,
+    RolloutConfig,
+    Trajectory,
+    close_unfinished,
+    per_turn_rate,
+    play,
+    start_episodes,
+)
 from contrail.envs.base import Env, Task
 from contrail.policy import Policy
 from contrail.progress import EpisodeProgress
@@ -77,7 +85,6 @@ def summarize(trajectories: list[Trajectory], k: int) -> EvalResult:
         by_task.setdefault((traj.task.env, traj.task.id), []).append(traj)
     success_rates = [np.mean([t.success for t in group]) for group in by_task.values()]
     solved = [any(t.success for t in group) for group in by_task.values()]
-    turns = sum(t.turns for t in trajectories)
     return EvalResult(
         tasks=len(by_task), k=k,
         avg_at_k=float(np.mean(success_rates)) if success_rates else float("nan"),
@@ -85,10 +92,10 @@ def summarize(trajectories: list[Trajectory], k: int) -> EvalResult:
         reward=float(np.mean([t.reward for t in trajectories])) if trajectories else float("nan"),
         turns=float(np.mean([t.turns for t in trajectories])) if trajectories else float("nan"),
         generated_tokens=float(np.mean([t.generated_tokens for t in trajectories])) if trajectories else float("nan"),
-        invalid_rate=sum(t.invalid_actions for t in trajectories) / turns if turns else float("nan"),
+        invalid_rate=per_turn_rate(trajectories, "invalid_actions", empty=float("nan")),
         truncated_rate=float(np.mean([t.truncated for t in trajectories])) if trajectories else float("nan"),
         errors=sum(t.error is not None for t in trajectories),
-        cut_rate=sum(t.cut_turns for t in trajectories) / turns if turns else float("nan"),
+        cut_rate=per_turn_rate(trajectories, "cut_turns", empty=float("nan")),
     )
 
 

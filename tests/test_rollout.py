@@ -724,3 +724,15 @@ def test_started_episodes_play_as_a_rollout_plays_them_and_seeds_are_all_or_none
              + start_episodes(tasks[1:2], lambda t: MagicWordEnv(), chat, config))
     with pytest.raises(ValueError, match="some episodes were started with seeds and some without"):
         play(backend, chat, mixed, config)
+
+
+def test_per_turn_rates_pool_every_turn_so_a_long_episode_weighs_by_its_turns():
+    from contrail.agent.rollout import Trajectory, per_turn_rate
+
+    task = Task("magic", 0, "test", "easy")
+    short = Trajectory(task, [], [], [], [], turns=1, invalid_actions=1, cut_turns=1)
+    long = Trajectory(task, [], [], [], [], turns=3, invalid_actions=0, cut_turns=2)
+    assert per_turn_rate([short, long], "invalid_actions") == 0.25  # not the episodes' mean, 0.5
+    assert per_turn_rate([short, long], "cut_turns") == 0.75
+    assert per_turn_rate([], "cut_turns") == 0.0
+    assert per_turn_rate([], "cut_turns", empty=7.0) == 7.0

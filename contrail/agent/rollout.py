@@ -82,6 +82,13 @@ def _check_int(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+def per_turn_rate(trajectories: list["Trajectory"], count: str, empty: float = 0.0) -> float:
+    """Episodes' ``count`` (``"invalid_actions"``, ``"cut_turns"``) over all their turns, pooled: a long
+    episode weighs by its turns. ``empty`` when they played no turn."""
+    turns = sum(t.turns for t in trajectories)
+    return sum(getattr(t, count) for t in trajectories) / turns if turns else empty
+
+
 @dataclass
 class Trajectory:
     """One finished episode, ready for training and for reading.

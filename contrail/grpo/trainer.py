@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from contrail.agent.backend import prepare_update, sync_after_update
-from contrail.agent.rollout import RolloutConfig, Trajectory, rollout
+from contrail.agent.rollout import RolloutConfig, Trajectory, per_turn_rate, rollout
 from contrail.envs.base import Env, Task
 from contrail.grpo.advantage import group_advantages
 from contrail.grpo.config import GRPOConfig
@@ -489,14 +489,13 @@ def _advantage_stats(advantages: torch.Tensor) -> dict[str, float]:
 
 
 def _rollout_stats(trajectories: list[Trajectory]) -> dict[str, float]:
-    turns = sum(t.turns for t in trajectories)
     return {
         "reward_mean": float(np.mean([t.reward for t in trajectories])),
         "success_rate": float(np.mean([t.success for t in trajectories])),
         "turns_mean": float(np.mean([t.turns for t in trajectories])),
         "generated_tokens": float(sum(t.generated_tokens for t in trajectories)),
         "episode_tokens_mean": float(np.mean([len(t.ids) for t in trajectories])),
-        "invalid_rate": sum(t.invalid_actions for t in trajectories) / turns if turns else 0.0,
-        "cut_rate": sum(t.cut_turns for t in trajectories) / turns if turns else 0.0,
+        "invalid_rate": per_turn_rate(trajectories, "invalid_actions"),
+        "cut_rate": per_turn_rate(trajectories, "cut_turns"),
         "truncated_rate": float(np.mean([t.truncated for t in trajectories])),
     }
