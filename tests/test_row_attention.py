@@ -1,0 +1,95 @@
+"""A packed row's bf16 attention (products and a hand-written backward) against fp64 SDPA."""
+
+import pytest
+import torch
+
+from contrail.train import row_attention
+from contrail.train.logprobs import sequence_logprobs
+
+
+def _reference(query, key, value, prefix, scale):
+    """fp64 SDPA over the row's end-aligned causal mask, grouped heads repeated."""
+    queries = query.shape[1]
+    mask = torch.ones(queries, prefix + queries, dtype=torch.bool).tril(prefix)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query[None].double(), key[None].double(), value[None].double(), attn_mask=mask, scale=scale,
+        enable_gqa=True)[0]
+
+
+def _with_gradients(attend, inputs, grad):
+    inputs = [tensor.detach().requires_grad_() for tensor in inputs]
+    output = attend(*inputs)
+    output.backward(grad.to(output.dtype))
+    return [output.detach().double()] + [tensor.grad.double() for tensor in inputs]
+
+
+def _relative_error(got, want):
+    return float((got - want).norm() / want.norm())
+
+
+@pytest.mark.parametrize("prefix, queries", [(11, 7), (0, 9), (23, 1)])
+def test_row_attention_gives_sdpas_values_and_gradients_to_bf16_rounding(prefix, queries):
+    g = torch.Generator().manual_seed(prefix + queries)
+    heads, kv_heads, dim, scale = 6, 2, 16, 0.25
+    query = torch.randn(heads, queries, dim, generator=g).bfloat16()
+    key = torch.randn(kv_heads, prefix + queries, dim, generator=g).bfloat16()
+    value = torch.randn(kv_heads, prefix + queries, dim, generator=g).bfloat16()
+    grad = torch.randn(heads, queries, dim, generator=g)
+    got = _with_gradients(lambda q, k, v: row_attention.row_attention(q, k, v, prefix, scale),
+                          [query, key, value], grad)
+    want = _with_gradients(lambda q, k, v: _reference(q, k, v, prefix, scale), [query, key, value], grad)
+    assert got[0].dtype == want[0].dtype and got[0].shape == (heads, queries, dim)
+    for name, ours, reference in zip(["output", "query", "key", "value"], got, want):
+        # bf16 keeps 8 bits: a few parts in a thousand per element, about 1e-2 over a product's sums.
+        assert _relative_error(ours, reference) < 2e-2, name
+
+
+def test_row_attention_computes_in_bf16_whatever_its_inputs_and_autocast():
+    query, key, value = torch.randn(4, 5, 8), torch.randn(2, 8, 8), torch.randn(2, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output = row_attention.row_attention(query, key, value, 3, 0.5)
+    assert output.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="a row of 5 tokens after a prefix of 4"):
+        row_attention.row_attention(query, key, value, 4, 0.5)
+
+
+def test_row_attention_applies_to_bf16_on_a_cpu_without_amx(monkeypatch):
+    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
+    query = torch.randn(2, 3, 4)
+    assert not row_attention.applies(query)  # fp32: SDPA's kernel
+    assert row_attention.applies(query.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert row_attention.applies(query)  # the trainer's bf16: fp32 queries, bf16 products
+    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not row_attention.applies(query)  # AMX multiplies SDPA's tiles; not measured here
+
+
+def test_a_packed_bf16_forward_attends_by_rows_and_keeps_the_padded_forwards_values(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
+    calls = []
+    original = row_attention.row_attention
+    monkeypatch.setattr(row_attention, "row_attention", lambda *args: calls.append(tuple(args[0].shape[:2])) or original(*args))
+    g = torch.Generator().manual_seed(3)
+    head, lengths = torch.randint(1, 128, (6,), generator=g), (13, 8, 11)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = torch.cat([head, torch.randint(1, 128, (length - 6,), generator=g)])
+        attention[row, :length] = 1
+    wanted = attention.clone()
+    wanted[:, :7] = 0
+    results = []
+    for packed in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            results.append(sequence_logprobs(model, ids, attention, start=7, shared_prefix=6, positions=wanted,
+                                             packed=packed))
+    assert calls == [(4, length - 6) for _ in range(2) for length in lengths]  # each layer, each row
+    padded, packed = results
+    assert bool((packed[wanted == 1] != 0).all())
+    torch.testing.assert_close(packed, padded, rtol=0, atol=0.05)  # bf16 rounding, SDPA's kernel against products
