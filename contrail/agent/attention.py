@@ -166,11 +166,10 @@ def _row_span_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     kv_heads = key.shape[1]
     groups = heads // kv_heads  # query head h reads key/value head h // groups (transformers' repeat_kv)
     grouped = (query * scale).to(key.dtype).reshape(batch, kv_heads, groups * queries, dim)
-    output = key.new_zeros(batch, kv_heads, groups * queries, dim)
+    output = key.new_empty(batch, kv_heads, groups * queries, dim)  # every row is written below
     lowest = torch.finfo(key.dtype).min  # not -inf: a query that sees nothing must not turn into NaN
+    # A row none of whose queries sees a key (all padding) spans its whole width, all of it filled (`RowSpans`).
     for row, (begin, end) in enumerate(zip(spans.begin, spans.end)):
-        if end <= begin:
-            continue  # a row with no visible key (all padding): zeros
         scores = torch.matmul(grouped[row], key[row, :, begin:end].transpose(-1, -2))
         spans.fill(scores.view(kv_heads, groups, queries, end - begin), row, lowest)
         torch.matmul(scores.softmax(-1), value[row, :, begin:end], out=output[row])
