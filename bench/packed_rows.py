@@ -9,22 +9,31 @@ tokens each way forwards (each micro-batch's shared prefix once; padded to
 its widest row, or each row's own tokens). Each round loads the model
 afresh, so every update starts from the same weights.
 
+With ``--attention``, both ways pack rows and what alternates is the
+packed rows' attention: PyTorch's SDPA kernel against the bf16 products of
+`contrail.train.row_attention` (which the trainer uses in bf16 on a CPU
+without AMX); the update's loss and gradient norm are printed each way.
+
     python bench/packed_rows.py --model $CONTRAIL_CACHE/warmstart/<key>/model   # the quickstart's warm-start
     python bench/packed_rows.py --experiment experiments/quickstart.yaml --rounds 3 --json out.json
+    python bench/packed_rows.py --model $CONTRAIL_CACHE/warmstart/<key>/model --attention --rounds 3
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import random
 import sys
 
+import torch
 from _common import console, fmt, load_policy, median, prepare_process, print_machine, table, timed, write_json
 
 from contrail.experiment import build_stream, load_experiment
 from contrail.grpo.trainer import GRPOTrainer
 from contrail.stream import env_factory
+from contrail.train import row_attention
 from contrail.train.trainer import Sample, pack_by_prompt, shared_prefix_length
 
 
@@ -35,6 +44,8 @@ def parse_args(argv):
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of one update each way")
     parser.add_argument("--seed", type=int, default=0, help="draws the step's tasks")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--attention", action="store_true",
+                        help="packed rows both ways; compare their attention: SDPA's kernel against row_attention")
     parser.add_argument("--json", default=None)
     return parser.parse_args(argv)
 
@@ -77,6 +88,9 @@ def main(argv=None) -> None:
     rollout_s, trajectories = timed(lambda: player.collect(tasks))
     out.print(f"{experience.name}: {len(trajectories)} episodes played in {rollout_s:.0f} s, "
               f"{sum(len(t.ids) for t in trajectories):,} tokens")
+    if args.attention:
+        compare_attention(out, info, args, trainer, trajectories)
+        return
     seconds: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(args.rounds):
         for packed in (False, True):
@@ -94,6 +108,28 @@ def main(argv=None) -> None:
     write_json(args.json, {"machine": info, "args": vars(args), "seconds": {str(k): v for k, v in seconds.items()},
                            "micro_batches_and_tokens": {str(k): v for k, v in shape.items()}, "ratio": ratio})
 
+
+def compare_attention(out, info, args, trainer, trajectories) -> None:
+    """Updates on ``trajectories`` alternating the packed rows' attention: SDPA's kernel, then row_attention."""
+    ways = {"sdpa": row_attention.sdpa_instead, "products": contextlib.nullcontext}
+    seconds: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(args.rounds):
+        for way, attending in ways.items():
+            update = trainer(True)
+            with attending():
+                elapsed, stats = timed(lambda update=update: update.update(trajectories))
+            seconds[way].append(elapsed)
+            out.print(f"{way}: {elapsed:.1f} s (loss {stats.get('loss', 0.0):+.5f}, "
+                      f"gradient norm {stats.get('grad_norm', 0.0):.4f})")
+    rows = [[way, ", ".join(fmt(s) for s in seconds[way]), fmt(median(seconds[way]))] for way in ways]
+    out.print(table("one GRPO update on the same episodes, packed rows", ["attention", "seconds (rounds)", "median"],
+                    rows))
+    ratio = median(seconds["products"]) / median(seconds["sdpa"])
+    applies = row_attention.applies(torch.empty(0).bfloat16())
+    out.print(f"row_attention / SDPA: {ratio:.2f}x the time"
+              + ("" if applies else " (row_attention does not apply here: the trainer uses SDPA)"))
+    write_json(args.json, {"machine": info, "args": vars(args), "seconds": seconds, "ratio": ratio,
+                           "row_attention_applies": applies})
 
 if __name__ == "__main__":
     main()

@@ -72,9 +72,13 @@ def test_a_packed_bf16_forward_attends_by_rows_and_keeps_the_padded_forwards_val
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config).eval()
     monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
-    calls = []
-    original = row_attention.row_attention
-    monkeypatch.setattr(row_attention, "row_attention", lambda *args: calls.append(tuple(args[0].shape[:2])) or original(*args))
+    calls, original = [], row_attention.row_attention
+
+    def counted(query, *args):
+        calls.append(tuple(query.shape[:2]))
+        return original(query, *args)
+
+    monkeypatch.setattr(row_attention, "row_attention", counted)
     g = torch.Generator().manual_seed(3)
     head, lengths = torch.randint(1, 128, (6,), generator=g), (13, 8, 11)
     ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
@@ -93,3 +97,11 @@ def test_a_packed_bf16_forward_attends_by_rows_and_keeps_the_padded_forwards_val
     padded, packed = results
     assert bool((packed[wanted == 1] != 0).all())
     torch.testing.assert_close(packed, padded, rtol=0, atol=0.05)  # bf16 rounding, SDPA's kernel against products
+
+
+def test_sdpa_instead_turns_row_attention_off_within_its_block_only(monkeypatch):
+    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
+    query = torch.randn(2, 3, 4).bfloat16()
+    with row_attention.sdpa_instead():
+        assert not row_attention.applies(query)
+    assert row_attention.applies(query)

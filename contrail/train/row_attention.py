@@ -30,11 +30,28 @@ Queries share key/value heads in groups (grouped-query attention) in place.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 
 from contrail.precision import cpu_has_amx
 
-__all__ = ["row_attention", "applies"]
+__all__ = ["row_attention", "applies", "sdpa_instead"]
+
+_SDPA_INSTEAD: contextvars.ContextVar[bool] = contextvars.ContextVar("contrail_row_attention_off", default=False)
+
+
+@contextlib.contextmanager
+def sdpa_instead() -> Iterator[None]:
+    """Within the block, packed rows attend through PyTorch's SDPA kernel even where `applies` (to compare them:
+    ``bench/packed_rows.py --attention``)."""
+    token = _SDPA_INSTEAD.set(True)
+    try:
+        yield
+    finally:
+        _SDPA_INSTEAD.reset(token)
 
 
 def applies(query: torch.Tensor) -> bool:
@@ -44,7 +61,7 @@ def applies(query: torch.Tensor) -> bool:
     precision), else the query's. With AMX, SDPA's kernel multiplies in tiles;
     that was not measured here, so it keeps SDPA.
     """
-    if query.device.type != "cpu" or cpu_has_amx():
+    if query.device.type != "cpu" or _SDPA_INSTEAD.get() or cpu_has_amx():
         return False
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
     return dtype == torch.bfloat16
