@@ -11,8 +11,8 @@ afresh, so every update starts from the same weights.
 
 With ``--attention``, both ways pack rows and what alternates is the
 packed rows' attention: PyTorch's SDPA kernel against the bf16 products of
-`contrail.train.row_attention` (which the trainer uses in bf16 on a CPU
-without AMX); the update's loss and gradient norm are printed each way.
+`contrail.train.row_attention` (``TrainConfig.row_attention``, in bf16
+on a CPU without AMX); the update's loss and gradient norm are printed each way.
 
     python bench/packed_rows.py --model $CONTRAIL_CACHE/warmstart/<key>/model   # the quickstart's warm-start
     python bench/packed_rows.py --experiment experiments/quickstart.yaml --rounds 3 --json out.json
@@ -22,7 +22,6 @@ without AMX); the update's loss and gradient norm are printed each way.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import random
 import sys
@@ -74,9 +73,9 @@ def main(argv=None) -> None:
     stream = build_stream(experiment)
     model_name = args.model or experiment.model.name
 
-    def trainer(pack_rows: bool) -> GRPOTrainer:
+    def trainer(pack_rows: bool, products: bool = False) -> GRPOTrainer:
         policy = load_policy(model_name)
-        config = dataclasses.replace(experiment.grpo, pack_rows=pack_rows)
+        config = dataclasses.replace(experiment.grpo, pack_rows=pack_rows, row_attention=products)
         return GRPOTrainer(policy.model, policy.tokenizer, config, experiment.rollout,
                            env_factory(stream.experiences), seed=args.seed, show_progress=False)
 
@@ -111,13 +110,12 @@ def main(argv=None) -> None:
 
 def compare_attention(out, info, args, trainer, trajectories) -> None:
     """Updates on ``trajectories`` alternating the packed rows' attention: SDPA's kernel, then row_attention."""
-    ways = {"sdpa": row_attention.sdpa_instead, "products": contextlib.nullcontext}
+    ways = {"sdpa": False, "products": True}
     seconds: dict[str, list[float]] = {way: [] for way in ways}
     for _ in range(args.rounds):
-        for way, attending in ways.items():
-            update = trainer(True)
-            with attending():
-                elapsed, stats = timed(lambda update=update: update.update(trajectories))
+        for way, products in ways.items():
+            update = trainer(True, products)
+            elapsed, stats = timed(lambda update=update: update.update(trajectories))
             seconds[way].append(elapsed)
             out.print(f"{way}: {elapsed:.1f} s (loss {stats.get('loss', 0.0):+.5f}, "
                       f"gradient norm {stats.get('grad_norm', 0.0):.4f})")
@@ -125,7 +123,8 @@ def compare_attention(out, info, args, trainer, trajectories) -> None:
     out.print(table("one GRPO update on the same episodes, packed rows", ["attention", "seconds (rounds)", "median"],
                     rows))
     ratio = median(seconds["products"]) / median(seconds["sdpa"])
-    applies = row_attention.applies(torch.empty(0).bfloat16())
+    with row_attention.in_use():
+        applies = row_attention.applies(torch.empty(0).bfloat16())
     out.print(f"row_attention / SDPA: {ratio:.2f}x the time"
               + ("" if applies else " (row_attention does not apply here: the trainer uses SDPA)"))
     write_json(args.json, {"machine": info, "args": vars(args), "seconds": seconds, "ratio": ratio,

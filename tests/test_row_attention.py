@@ -53,16 +53,35 @@ def test_row_attention_computes_in_bf16_whatever_its_inputs_and_autocast():
         row_attention.row_attention(query, key, value, 4, 0.5)
 
 
-def test_row_attention_applies_to_bf16_on_a_cpu_without_amx(monkeypatch):
+def test_row_attention_applies_in_use_to_bf16_on_a_cpu_without_amx(monkeypatch):
     monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
     query = torch.randn(2, 3, 4)
-    assert not row_attention.applies(query)  # fp32: SDPA's kernel
-    assert row_attention.applies(query.bfloat16())
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert row_attention.applies(query)  # the trainer's bf16: fp32 queries, bf16 products
-    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not row_attention.applies(query)  # AMX multiplies SDPA's tiles; not measured here
+    assert not row_attention.applies(query.bfloat16())  # not in use: SDPA's kernel
+    with row_attention.in_use():
+        assert not row_attention.applies(query)  # fp32: SDPA's kernel
+        assert row_attention.applies(query.bfloat16())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert row_attention.applies(query)  # the trainer's bf16: fp32 queries, bf16 products
+        with row_attention.in_use(False):
+            assert not row_attention.applies(query.bfloat16())
+        monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not row_attention.applies(query)  # AMX multiplies SDPA's tiles; not measured here
+    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
+    assert not row_attention.applies(query.bfloat16())
+
+
+def _counting_row_attention(monkeypatch) -> list[tuple[int, int]]:
+    """Each `row_attention.row_attention` call's ``(heads, queries)``, the calls still computed."""
+    calls, original = [], row_attention.row_attention
+
+    def counted(query, *args):
+        calls.append(tuple(query.shape[:2]))
+        return original(query, *args)
+
+    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(row_attention, "row_attention", counted)
+    return calls
 
 
 def test_a_packed_bf16_forward_attends_by_rows_and_keeps_the_padded_forwards_values(monkeypatch):
@@ -71,14 +90,7 @@ def test_a_packed_bf16_forward_attends_by_rows_and_keeps_the_padded_forwards_val
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = transformers.LlamaForCausalLM(config).eval()
-    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
-    calls, original = [], row_attention.row_attention
-
-    def counted(query, *args):
-        calls.append(tuple(query.shape[:2]))
-        return original(query, *args)
-
-    monkeypatch.setattr(row_attention, "row_attention", counted)
+    calls = _counting_row_attention(monkeypatch)
     g = torch.Generator().manual_seed(3)
     head, lengths = torch.randint(1, 128, (6,), generator=g), (13, 8, 11)
     ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
@@ -90,7 +102,7 @@ def test_a_packed_bf16_forward_attends_by_rows_and_keeps_the_padded_forwards_val
     wanted[:, :7] = 0
     results = []
     for packed in (False, True):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), row_attention.in_use():
             results.append(sequence_logprobs(model, ids, attention, start=7, shared_prefix=6, positions=wanted,
                                              packed=packed))
     assert calls == [(4, length - 6) for _ in range(2) for length in lengths]  # each layer, each row
@@ -99,9 +111,20 @@ def test_a_packed_bf16_forward_attends_by_rows_and_keeps_the_padded_forwards_val
     torch.testing.assert_close(packed, padded, rtol=0, atol=0.05)  # bf16 rounding, SDPA's kernel against products
 
 
-def test_sdpa_instead_turns_row_attention_off_within_its_block_only(monkeypatch):
-    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
-    query = torch.randn(2, 3, 4).bfloat16()
-    with row_attention.sdpa_instead():
-        assert not row_attention.applies(query)
-    assert row_attention.applies(query)
+@pytest.mark.parametrize("configured", [False, True])
+def test_the_trainer_attends_packed_rows_by_products_only_when_configured(monkeypatch, configured):
+    from contrail.experiment import WarmStart
+    from contrail.testing import tiny_model, tiny_tokenizer
+    from contrail.train.config import TrainConfig
+    from contrail.train.demos import demonstrations
+    from contrail.train.trainer import MaskedTokenTrainer, cross_entropy_loss
+
+    calls = _counting_row_attention(monkeypatch)
+    tokenizer = tiny_tokenizer()
+    samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=4), tokenizer, use_cache=False)
+    config = TrainConfig(lr=1e-3, precision="bf16", row_attention=configured)
+    trainer = MaskedTokenTrainer(tiny_model(tokenizer), tokenizer, config)
+    assert trainer.pack_rows
+    stats = trainer.step(samples, cross_entropy_loss)
+    assert bool(calls) == configured
+    assert torch.isfinite(torch.tensor(stats["loss"]))

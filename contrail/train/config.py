@@ -34,6 +34,11 @@ class TrainConfig:
     share_prefix: bool = True
     # On a CPU, forward the rows after that prefix end to end, without padding (`contrail.train.packed_rows`).
     pack_rows: bool = True
+    # Those packed rows attend through bf16 products with a written-out backward (`contrail.train.row_attention`):
+    # 0.82-0.87x a quickstart update's time on a 2-core EPYC, rounding otherwise than SDPA's kernel. Off by default:
+    # over the quickstart's seeds 0-2 its stage-1 gains (+0.008, +0.086, +0.148) had the mean of SDPA's (+0.086,
+    # +0.047, +0.102), but seed 0, the main job's, showed none (README, "Measured here", session 42).
+    row_attention: bool = False
     lora: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
@@ -52,6 +57,7 @@ class TrainConfig:
         check_bool("gradient_checkpointing", self.gradient_checkpointing)
         check_bool("share_prefix", self.share_prefix)
         check_bool("pack_rows", self.pack_rows)
+        check_bool("row_attention", self.row_attention)
         check_bool("lora", self.lora)
         check_int("lora_r", self.lora_r, low=1)
         check_number("lora_alpha", self.lora_alpha, low=0.0, low_open=True)

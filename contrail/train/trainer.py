@@ -42,7 +42,7 @@ from accelerate.utils import DistributedType
 from contrail.allocator import hand_back_freed_memory
 from contrail.precision import resolve_precision
 from contrail.seeds import check_seed, derive_seed
-from contrail.train import checkpointed_prefix
+from contrail.train import checkpointed_prefix, row_attention
 from contrail.train.config import TrainConfig
 
 log = logging.getLogger("contrail.train")
@@ -357,7 +357,7 @@ class MaskedTokenTrainer:
         for number, group in enumerate(groups):
             batch = self.collate([samples[i] for i in group])
             last = number == len(groups) - 1
-            with self._sync_gradients(last), self.autocast():
+            with self._sync_gradients(last), self.autocast(), row_attention.in_use(self.config.row_attention):
                 loss, stats = loss_fn(self.model, batch, normalizer)
             self.accelerator.backward(loss * scale)
             totals["loss"] += float(loss.detach())
