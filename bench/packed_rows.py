@@ -130,5 +130,6 @@ def compare_attention(out, info, args, trainer, trajectories) -> None:
     write_json(args.json, {"machine": info, "args": vars(args), "seconds": seconds, "ratio": ratio,
                            "row_attention_applies": applies})
 
+
 if __name__ == "__main__":
     main()

@@ -13,9 +13,10 @@ after the prefix's cache, each token keeping its row's position id, so the
 linear layers see only real tokens. Attention is the one place rows must
 stay apart: `packed_rows_attention` attends each row's queries over the
 prefix's keys and that row's own keys (causal, aligned at the end), one
-call per row: PyTorch's SDPA, or with ``TrainConfig.row_attention`` (in bf16
-on a CPU without AMX) `contrail.train.row_attention`'s products. The result is the padded forward's, up to
-floating-point rounding, and so are its gradients.
+call per row: PyTorch's SDPA, or with ``TrainConfig.row_attention`` (in
+bf16 on a CPU without AMX) `contrail.train.row_attention`'s products. The
+result is the padded forward's, up to floating-point rounding, and so are
+its gradients.
 
 >>> with packed_layout(model, prefix=455, lengths=[26, 231, 255, 286]):
 ...     output = model(input_ids=packed, position_ids=positions, past_key_values=prefix_cache)

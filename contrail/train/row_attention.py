@@ -22,9 +22,11 @@ attention does: kept, they would be a micro-batch's ``heads × queries ×
 keys`` for every layer (about 2 GB at the quickstart's 4,096 tokens).
 
 The scores are rounded to bf16 before the softmax, as in the HF backend's
-own sampling attention (`contrail.agent.attention`), where SDPA's kernel
-keeps them in fp32: the result differs from SDPA's by bf16 rounding, not
-more (`tests/test_row_attention.py` holds both to an fp64 reference).
+own sampling attention (`contrail.agent.attention`); SDPA's kernel keeps
+them in fp32. The result differs from SDPA's by bf16 rounding, not more
+(`tests/test_row_attention.py` holds it to an fp64 reference); on the
+quickstart's model the packed rows' log-probs lie as close to fp32's as
+SDPA's do (README, "Measured here", session 42).
 Queries share key/value heads in groups (grouped-query attention) in place.
 
 It is off by default (``TrainConfig.row_attention``): rounding otherwise
