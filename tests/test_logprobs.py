@@ -411,6 +411,31 @@ def test_packed_rows_give_the_padded_forward_values_and_gradients(tiny_llama, en
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_packed_bf16_rows_attend_by_products_where_in_use_and_keep_the_padded_values(tiny_llama, monkeypatch):
+    from contrail.train import row_attention
+
+    calls, original = [], row_attention.row_attention
+
+    def counted(query, *args):
+        calls.append(tuple(query.shape[:2]))
+        return original(query, *args)
+
+    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(row_attention, "row_attention", counted)
+    ids, attention = _shared_prefix_batch(lengths=(13, 8, 11))
+    wanted = attention.clone()
+    wanted[:, :7] = 0
+    results = []
+    for packed in (False, True):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), row_attention.in_use():
+            results.append(sequence_logprobs(tiny_llama, ids, attention, start=7, shared_prefix=6, positions=wanted,
+                                             packed=packed))
+    assert calls == [(4, length - 6) for _ in range(2) for length in (13, 8, 11)]  # each layer, each row
+    padded, packed = results
+    assert bool((packed[wanted == 1] != 0).all())
+    torch.testing.assert_close(packed, padded, rtol=0, atol=0.05)  # bf16 rounding, SDPA's kernel against products
+
+
 def test_packed_rows_fall_back_to_padding_where_sdpa_is_not_the_attention(tiny_llama, monkeypatch):
     ids, attention = _shared_prefix_batch()
     wanted = attention.clone()

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from contrail.train import row_attention
-from contrail.train.logprobs import sequence_logprobs
 
 
 def _reference(query, key, value, prefix, scale):
@@ -82,33 +81,6 @@ def _counting_row_attention(monkeypatch) -> list[tuple[int, int]]:
     monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
     monkeypatch.setattr(row_attention, "row_attention", counted)
     return calls
-
-
-def test_a_packed_bf16_forward_attends_by_rows_and_keeps_the_padded_forwards_values(monkeypatch):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
-    calls = _counting_row_attention(monkeypatch)
-    g = torch.Generator().manual_seed(3)
-    head, lengths = torch.randint(1, 128, (6,), generator=g), (13, 8, 11)
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    attention = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, :length] = torch.cat([head, torch.randint(1, 128, (length - 6,), generator=g)])
-        attention[row, :length] = 1
-    wanted = attention.clone()
-    wanted[:, :7] = 0
-    results = []
-    for packed in (False, True):
-        with torch.autocast("cpu", dtype=torch.bfloat16), row_attention.in_use():
-            results.append(sequence_logprobs(model, ids, attention, start=7, shared_prefix=6, positions=wanted,
-                                             packed=packed))
-    assert calls == [(4, length - 6) for _ in range(2) for length in lengths]  # each layer, each row
-    padded, packed = results
-    assert bool((packed[wanted == 1] != 0).all())
-    torch.testing.assert_close(packed, padded, rtol=0, atol=0.05)  # bf16 rounding, SDPA's kernel against products
 
 
 @pytest.mark.parametrize("configured", [False, True])
