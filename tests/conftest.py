@@ -73,3 +73,20 @@ def make_env(env_cache):
         return envs.make(name, **options)
 
     return build
+
+
+@pytest.fixture
+def row_attention_calls(monkeypatch) -> list[tuple[int, int]]:
+    """Each `contrail.train.row_attention.row_attention` call's ``(heads, queries)`` (still computed), on a CPU
+    taken to have no AMX tiles, so that it applies."""
+    from contrail.train import row_attention
+
+    calls, original = [], row_attention.row_attention
+
+    def counted(query, *args):
+        calls.append(tuple(query.shape[:2]))
+        return original(query, *args)
+
+    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
+    monkeypatch.setattr(row_attention, "row_attention", counted)
+    return calls

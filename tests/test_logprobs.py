@@ -411,17 +411,10 @@ def test_packed_rows_give_the_padded_forward_values_and_gradients(tiny_llama, en
         torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_packed_bf16_rows_attend_by_products_where_in_use_and_keep_the_padded_values(tiny_llama, monkeypatch):
+def test_packed_bf16_rows_attend_by_products_where_in_use_and_keep_the_padded_values(tiny_llama, row_attention_calls):
     from contrail.train import row_attention
 
-    calls, original = [], row_attention.row_attention
-
-    def counted(query, *args):
-        calls.append(tuple(query.shape[:2]))
-        return original(query, *args)
-
-    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
-    monkeypatch.setattr(row_attention, "row_attention", counted)
+    calls = row_attention_calls
     ids, attention = _shared_prefix_batch(lengths=(13, 8, 11))
     wanted = attention.clone()
     wanted[:, :7] = 0

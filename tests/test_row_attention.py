@@ -70,28 +70,15 @@ def test_row_attention_applies_in_use_to_bf16_on_a_cpu_without_amx(monkeypatch):
     assert not row_attention.applies(query.bfloat16())
 
 
-def _counting_row_attention(monkeypatch) -> list[tuple[int, int]]:
-    """Each `row_attention.row_attention` call's ``(heads, queries)``, the calls still computed."""
-    calls, original = [], row_attention.row_attention
-
-    def counted(query, *args):
-        calls.append(tuple(query.shape[:2]))
-        return original(query, *args)
-
-    monkeypatch.setattr(row_attention, "cpu_has_amx", lambda: False)
-    monkeypatch.setattr(row_attention, "row_attention", counted)
-    return calls
-
-
 @pytest.mark.parametrize("configured", [False, True])
-def test_the_trainer_attends_packed_rows_by_products_only_when_configured(monkeypatch, configured):
+def test_the_trainer_attends_packed_rows_by_products_only_when_configured(row_attention_calls, configured):
     from contrail.experiment import WarmStart
     from contrail.testing import tiny_model, tiny_tokenizer
     from contrail.train.config import TrainConfig
     from contrail.train.demos import demonstrations
     from contrail.train.trainer import MaskedTokenTrainer, cross_entropy_loss
 
-    calls = _counting_row_attention(monkeypatch)
+    calls = row_attention_calls
     tokenizer = tiny_tokenizer()
     samples, _ = demonstrations(WarmStart(envs=["magic"], episodes=4), tokenizer, use_cache=False)
     config = TrainConfig(lr=1e-3, precision="bf16", row_attention=configured)
